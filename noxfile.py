@@ -1,0 +1,210 @@
+#!/usr/bin/env -S uv run --script
+# /// script
+# dependencies = ["nox>=2026.4"]
+# ///
+"""Checks for the afd workspace. ``uv run nox`` runs the default (CPU) set; ``nox -l`` lists all.
+
+Every session installs from ``uv.lock`` only (``uv sync --locked``) into its own venv, so a session
+for one package holds exactly that package and what it declares: an undeclared import fails there.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+import tomllib
+from pathlib import Path
+
+import nox
+
+nox.needs_version = ">=2026.4"
+nox.options.default_venv_backend = "uv"
+nox.options.reuse_venv = "yes"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+PYTHON = "3.11"
+WHEELHOUSE = os.environ.get("AFD_WHEELHOUSE", "/opt/wheels")
+
+
+def _members() -> dict[str, Path]:
+    found = {}
+    for pyproject in sorted((ROOT / "packages").glob("*/pyproject.toml")):
+        found[tomllib.loads(pyproject.read_text())["project"]["name"]] = pyproject.parent
+    return found
+
+
+PACKAGES = _members()
+#: Packages that import vLLM eagerly: their isolated env needs the CPU extra.
+VLLM_PACKAGES = ("afd-runtime", "afd-models")
+#: Packages tested a second time inside the full vLLM CPU environment.
+LOWER_PACKAGES = tuple(p for p in PACKAGES if p not in VLLM_PACKAGES)
+CPU_MARKERS = "not npu and not e2e"
+
+
+def _sync(session: nox.Session, *args: str) -> None:
+    """Install exactly what uv.lock says for ``args`` into this session's venv."""
+    venv = session.virtualenv.location
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--no-default-groups",
+        f"--python={venv}",
+        *args,
+        env={"UV_PROJECT_ENVIRONMENT": venv},
+    )
+
+
+@nox.session(python=PYTHON, tags=["cpu"])
+@nox.parametrize("package", list(PACKAGES))
+def tests(session: nox.Session, package: str) -> None:
+    """One package's tests in an env holding only it and its declared dependencies."""
+    extra = ["--extra", "cpu"] if package in VLLM_PACKAGES else []
+    _sync(session, "--package", package, "--group", "test", *extra)
+    session.run("pytest", str(PACKAGES[package] / "tests"), "-m", CPU_MARKERS, *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["cpu"])
+def tests_with_vllm(session: nox.Session) -> None:
+    """The packages below afd-runtime, tested again beside vLLM CPU (all packages installed)."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
+    session.run(
+        "pytest",
+        *(str(PACKAGES[p] / "tests") for p in LOWER_PACKAGES),
+        "-m",
+        CPU_MARKERS,
+        *session.posargs,
+    )
+
+
+@nox.session(python=PYTHON, tags=["cpu"])
+def boundaries(session: nox.Session) -> None:
+    """The package map: custom rules, import-linter contracts (indirect chains), deptry."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "boundaries", "--group", "test")
+    config = Path(session.create_tmp()) / "importlinter.ini"
+    session.run("python", "tools/check_boundaries.py", "--write-importlinter", str(config))
+    session.run("lint-imports", "--config", str(config), "--no-cache")
+    for package, path in PACKAGES.items():
+        module = package.replace("-", "_")
+        session.run(
+            "deptry",
+            str(path / "src" / module),
+            "--config",
+            str(path / "pyproject.toml"),
+            "--known-first-party",
+            module,
+        )
+    session.run("pytest", "tools/tests", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["cpu"])
+def lint(session: nox.Session) -> None:
+    """ruff (lint + format check) and mypy over every package."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "lint", "--group", "test")
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+    session.run("mypy", *(str(p / "src") for p in PACKAGES.values()), "tools")
+
+
+@nox.session(python=PYTHON, tags=["cpu"])
+def build(session: nox.Session) -> None:
+    """Build every wheel with --no-sources, install them outside the workspace, import everything."""
+    session.install("uv")  # the session venv is empty; we only need the uv binary on PATH
+    dist = ROOT / "dist"
+    shutil.rmtree(dist, ignore_errors=True)
+    for package in PACKAGES:
+        session.run(
+            "uv", "build", "--package", package, "--no-sources", "--wheel", "--out-dir", str(dist)
+        )
+    wheels = sorted(dist.glob("*.whl"))
+    if len(wheels) != len(PACKAGES):
+        session.error(
+            f"expected {len(PACKAGES)} wheels in {dist}, found {[w.name for w in wheels]}"
+        )
+    with tempfile.TemporaryDirectory(prefix="afd-wheel-check-") as tmp:
+        venv = Path(tmp) / "venv"
+        excludes = Path(tmp) / "excludes.txt"
+        excludes.write_text("torchvision\ntorchaudio\ntorchcodec\n")
+        session.run("uv", "venv", "--no-config", "--python", sys.executable, str(venv))
+        python = str(venv / "bin" / "python")
+        session.run(
+            "uv",
+            "pip",
+            "install",
+            "--no-config",
+            "--python",
+            python,
+            "--find-links",
+            str(dist),
+            "--find-links",
+            WHEELHOUSE,
+            "--excludes",
+            str(excludes),
+            "afd-models[cpu]",
+            *wheels,
+            external=True,
+        )
+        session.run(
+            python,
+            str(ROOT / "tools" / "check_wheels.py"),
+            *map(str, wheels),
+            external=True,
+            env={"PYTHONPATH": ""},
+        )
+
+
+@nox.session(python=PYTHON, tags=["cpu", "e2e"])
+def e2e(session: nox.Session) -> None:
+    """End-to-end: real `vllm serve` engines on CPU, AFD roles against plain vLLM (marker e2e)."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
+    session.run("pytest", "packages", "-m", "e2e", *session.posargs)
+
+
+@nox.session(python=PYTHON, default=False, tags=["bench"])
+def bench(session: nox.Session) -> None:
+    """Every packages/*/benchmarks/bench_*.py; JSON results under each package's benchmarks/results."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
+    scripts = sorted(ROOT.glob("packages/*/benchmarks/bench_*.py"))
+    if not scripts:
+        session.error("no benchmark scripts found under packages/*/benchmarks/")
+    for script in scripts:
+        out = script.parent / "results" / f"{script.stem.removeprefix('bench_')}.json"
+        out.parent.mkdir(exist_ok=True)
+        session.run("python", str(script), "--out", str(out), *session.posargs)
+
+
+@nox.session(python=PYTHON, default=False, tags=["release"])
+@nox.parametrize("package", list(PACKAGES))
+def release(session: nox.Session, package: str) -> None:
+    """Build one package alone (wheel + sdist, --no-sources) after checking its CHANGELOG entry."""
+    session.install("uv")
+    path = PACKAGES[package]
+    version = tomllib.loads((path / "pyproject.toml").read_text())["project"]["version"]
+    changelog = (path / "CHANGELOG.md").read_text()
+    if f"## {version}" not in changelog:
+        session.error(f"{path / 'CHANGELOG.md'} has no '## {version}' entry for {package} {version}")
+    out = ROOT / "dist" / "release" / package
+    shutil.rmtree(out, ignore_errors=True)
+    session.run("uv", "build", "--package", package, "--no-sources", "--out-dir", str(out))
+    built = sorted(p.name for p in out.iterdir() if p.suffix in {".whl", ".gz"})
+    session.log(f"built {built}; tag the release with: git tag '{package}=={version}'")
+
+
+@nox.session(python=PYTHON, default=False, tags=["npu"])
+def npu(session: nox.Session) -> None:
+    """Tests marked `npu` on an Ascend host (torch-npu + a visible NPU); skips elsewhere."""
+    if shutil.which("npu-smi") is None:
+        session.skip(
+            "no Ascend NPU here: `npu-smi` is not on PATH; run `nox -t npu` on an Ascend "
+            "host with CANN, torch-npu and vllm-ascend installed (see README)"
+        )
+    _sync(session, "--all-packages", "--extra", "ascend", "--group", "test")
+    session.run("python", "-c", "import torch_npu, torch; assert torch.npu.is_available()")
+    session.run("pytest", "packages", "-m", "npu", *session.posargs)
+
+
+if __name__ == "__main__":
+    nox.main()

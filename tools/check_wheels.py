@@ -1,0 +1,64 @@
+"""Run inside a fresh venv where the built afd wheels were installed (outside the workspace).
+
+Checks: every afd distribution is installed from its wheel (not editable); every module of every
+package imports; every sibling in ``Requires-Dist`` carries a version range; the afd-models
+``vllm.general_plugins`` entry point resolves and is callable twice.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata as md
+import pkgutil
+import sys
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+
+def main(wheels: list[str]) -> int:
+    names = {canonicalize_name(Path(w).name.split("-")[0]) for w in wheels}
+    errors: list[str] = []
+    for dist in sorted(names):
+        meta = md.distribution(dist)
+        if meta.read_text("direct_url.json") and '"editable": true' in (
+            meta.read_text("direct_url.json") or ""
+        ):
+            errors.append(f"{dist}: installed editable, expected the built wheel")
+        for spec in meta.requires or []:
+            req = Requirement(spec)
+            if canonicalize_name(req.name) in names and not str(req.specifier):
+                errors.append(
+                    f"{dist}: Requires-Dist {spec!r} names a sibling without a version range"
+                )
+        module = dist.replace("-", "_")
+        pkg = importlib.import_module(module)
+        if "site-packages" not in (pkg.__file__ or ""):
+            errors.append(
+                f"{dist}: imported from {pkg.__file__}, not from the venv's site-packages"
+            )
+        count = 1
+        for info in pkgutil.walk_packages(pkg.__path__, prefix=f"{module}."):
+            importlib.import_module(info.name)
+            count += 1
+        print(f"{dist} {meta.version}: {count} modules import; Requires-Dist: {meta.requires}")
+    plugins = [
+        ep
+        for ep in md.entry_points(group="vllm.general_plugins")
+        if ep.value.startswith("afd_models")
+    ]
+    if len(plugins) != 1:
+        errors.append(f"expected one afd vllm.general_plugins entry point, found {plugins}")
+    else:
+        register = plugins[0].load()
+        register()
+        register()
+        print(f"entry point {plugins[0].name} = {plugins[0].value} resolves and is re-entrant")
+    for error in errors:
+        print(f"ERROR: {error}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
