@@ -64,6 +64,14 @@ def tests(session: nox.Session, package: str) -> None:
     """One package's tests in an env holding only it and its declared dependencies."""
     extra = ["--extra", "cpu"] if package in VLLM_PACKAGES else []
     _sync(session, "--package", package, "--group", "test", *extra)
+    if package not in VLLM_PACKAGES:
+        # Prove the isolation this session exists for: no vLLM below afd-runtime.
+        session.run(
+            "python",
+            "-c",
+            "import importlib.util as u, sys; "
+            "sys.exit('vllm must not be installed here' if u.find_spec('vllm') else 0)",
+        )
     session.run("pytest", str(PACKAGES[package] / "tests"), "-m", CPU_MARKERS, *session.posargs)
 
 
@@ -185,7 +193,9 @@ def release(session: nox.Session, package: str) -> None:
     version = tomllib.loads((path / "pyproject.toml").read_text())["project"]["version"]
     changelog = (path / "CHANGELOG.md").read_text()
     if f"## {version}" not in changelog:
-        session.error(f"{path / 'CHANGELOG.md'} has no '## {version}' entry for {package} {version}")
+        session.error(
+            f"{path / 'CHANGELOG.md'} has no '## {version}' entry for {package} {version}"
+        )
     out = ROOT / "dist" / "release" / package
     shutil.rmtree(out, ignore_errors=True)
     session.run("uv", "build", "--package", package, "--no-sources", "--out-dir", str(out))
