@@ -1,4 +1,4 @@
-"""Every module of afd_weights imports in an environment holding only afd-weights and its declared deps."""
+"""Every module of afd_weights imports in an env holding only afd-weights and its deps."""
 
 import importlib
 import pkgutil
