@@ -1,5 +1,85 @@
-"""AFD config, connector contract and registry, topology, transfer/control metadata, forward-context access, DBO hook, startup coordination and the torch.distributed P2P connector."""
+"""AFD config, connector contract and registry, topology, transfer/control metadata, forward-context access, DBO hook, startup coordination and the torch.distributed P2P connector.
+
+The names below are re-exported for convenience; each lives in one small module
+(``afd_core.config``, ``.topology``, ``.metadata``, ``.connector``, ``.forward_context``,
+``.startup``, ``.errors``, ``.p2p``). vLLM is never imported by this package.
+"""
 
 from importlib.metadata import version as _version
 
+from afd_core.config import AFDConfig, AFDRole, parse_afd_config
+from afd_core.connector import (
+    AFDConnectorBase,
+    AFDTransferHandle,
+    available_connectors,
+    create_connector,
+    get_connector_class,
+    register_connector,
+)
+from afd_core.errors import (
+    AFDConfigError,
+    AFDConnectorError,
+    AFDContextError,
+    AFDError,
+    AFDHandshakeError,
+    AFDNotInitializedError,
+    AFDPayloadError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDRegistryError,
+    AFDStartupError,
+    AFDTimeoutError,
+)
+from afd_core.forward_context import (
+    AFDForwardMetadata,
+    dbo_yield,
+    get_afd_forward_metadata,
+    set_afd_forward_metadata,
+)
+from afd_core.metadata import (
+    PAYLOAD_FIELDS,
+    AFDControlMessage,
+    AFDPayload,
+    AFDPayloadSpec,
+    AFDTransferMetadata,
+)
+from afd_core.startup import StartupCoordinator
+from afd_core.topology import AFDTopology
+
 __version__ = _version("afd-core")
+
+__all__ = [
+    "PAYLOAD_FIELDS",
+    "AFDConfig",
+    "AFDConfigError",
+    "AFDConnectorBase",
+    "AFDConnectorError",
+    "AFDContextError",
+    "AFDControlMessage",
+    "AFDError",
+    "AFDForwardMetadata",
+    "AFDHandshakeError",
+    "AFDNotInitializedError",
+    "AFDPayload",
+    "AFDPayloadError",
+    "AFDPayloadSpec",
+    "AFDPeerError",
+    "AFDProtocolError",
+    "AFDRegistryError",
+    "AFDRole",
+    "AFDStartupError",
+    "AFDTimeoutError",
+    "AFDTopology",
+    "AFDTransferHandle",
+    "AFDTransferMetadata",
+    "StartupCoordinator",
+    "__version__",
+    "available_connectors",
+    "create_connector",
+    "dbo_yield",
+    "get_afd_forward_metadata",
+    "get_connector_class",
+    "parse_afd_config",
+    "register_connector",
+    "set_afd_forward_metadata",
+]

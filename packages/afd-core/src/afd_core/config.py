@@ -1,0 +1,379 @@
+"""The AFD configuration carried in vLLM's ``additional_config["afd"]``.
+
+Invariants:
+* :class:`AFDConfig` is frozen and always valid: ``__post_init__`` checks every field (strict types,
+  ranges, topology ``num_attention_ranks >= num_ffn_ranks``, connector known and its
+  ``connector_extra_config`` accepted by that connector) and raises :class:`AFDConfigError` naming
+  the field, the value and what is allowed.
+* :meth:`AFDConfig.from_mapping` is the user-facing parser: unknown keys are rejected, afd-plugin
+  aliases are accepted but an alias together with its canonical key is an error, and coercion is
+  strict (``bool`` is never an int, ``float`` is never an int, ints are never booleans).
+* :meth:`AFDConfig.agreement_hash` covers exactly the fields both roles must agree on (everything
+  but ``role`` and ``timeout_s``) and is stable across processes and Python versions.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from afd_core.errors import AFDConfigError, AFDRegistryError
+
+__all__ = [
+    "AFD_ADDITIONAL_CONFIG_KEY",
+    "CONFIG_ALIASES",
+    "CONFIG_FIELDS",
+    "CONNECTOR_NAME_ALIASES",
+    "AFDConfig",
+    "AFDConfigError",
+    "AFDRole",
+    "parse_afd_config",
+]
+
+AFD_ADDITIONAL_CONFIG_KEY = "afd"
+"""Key under vLLM's ``additional_config`` whose presence enables AFD."""
+
+CONFIG_FIELDS: tuple[str, ...] = (
+    "role",
+    "connector",
+    "host",
+    "port",
+    "num_attention_ranks",
+    "num_ffn_ranks",
+    "compute_gate_on_attention",
+    "timeout_s",
+    "connector_extra_config",
+)
+"""Canonical keys accepted under ``additional_config["afd"]``."""
+
+CONFIG_ALIASES: Mapping[str, str] = MappingProxyType(
+    {
+        "afd_role": "role",
+        "afd_connector": "connector",
+        "afd_host": "host",
+        "afd_port": "port",
+    }
+)
+"""afd-plugin spellings accepted as aliases of canonical keys (never both at once)."""
+
+CONNECTOR_NAME_ALIASES: Mapping[str, str] = MappingProxyType(
+    {"P2pNcclAFDConnector": "p2p", "P2PConnector": "p2p"}
+)
+"""afd-plugin connector names mapped to afd-core registry names."""
+
+_TRUE_STRINGS = frozenset({"true", "1", "yes", "on"})
+_FALSE_STRINGS = frozenset({"false", "0", "no", "off"})
+_MAX_RANKS = 65536
+
+
+class AFDRole(enum.StrEnum):
+    """The role of a vLLM instance in an AFD deployment."""
+
+    ATTENTION = "attention"
+    FFN = "ffn"
+
+
+# --------------------------------------------------------------------------------------------
+# Strict coercion helpers (used by from_mapping; __post_init__ checks types without coercion).
+
+
+def _coerce_role(value: Any) -> AFDRole:
+    if isinstance(value, AFDRole):
+        return value
+    if isinstance(value, str):
+        try:
+            return AFDRole(value.strip().lower())
+        except ValueError:
+            pass
+    raise AFDConfigError("role", value, "one of 'attention', 'ffn'")
+
+
+def _coerce_int(name: str, value: Any) -> int:
+    # bool is a subclass of int: reject it explicitly; floats (even 2.0) are rejected too.
+    if isinstance(value, bool | float):
+        raise AFDConfigError(name, value, "an integer (not bool, not float)")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, str):
+        text = value.strip()
+        if text and (text.isdigit() or (text[0] in "+-" and text[1:].isdigit())):
+            return int(text)
+    raise AFDConfigError(name, value, "an integer or a decimal integer string")
+
+
+def _coerce_bool(name: str, value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE_STRINGS:
+            return True
+        if text in _FALSE_STRINGS:
+            return False
+    raise AFDConfigError(
+        name, value, "a boolean or one of the strings true/false/1/0/yes/no/on/off"
+    )
+
+
+def _coerce_float(name: str, value: Any) -> float:
+    if isinstance(value, bool):
+        raise AFDConfigError(name, value, "a number (not bool)")
+    if isinstance(value, int | float):
+        return float(value)
+    if isinstance(value, str):
+        try:
+            return float(value.strip())
+        except ValueError:
+            pass
+    raise AFDConfigError(name, value, "a number or a numeric string")
+
+
+def _coerce_str(name: str, value: Any) -> str:
+    if isinstance(value, str):
+        return value.strip()
+    raise AFDConfigError(name, value, "a string")
+
+
+def _freeze_extra(value: Any) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise AFDConfigError("connector_extra_config", value, "a mapping with string keys")
+    for key in value:
+        if not isinstance(key, str):
+            raise AFDConfigError(
+                "connector_extra_config", dict(value), "a mapping with string keys"
+            )
+    return MappingProxyType(dict(value))
+
+
+def _json_default(value: Any) -> Any:
+    raise TypeError(f"not JSON-serialisable: {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class AFDConfig:
+    """Typed, validated AFD configuration (see the README for the field table).
+
+    Construct it with :meth:`from_mapping` (user input, coercing) or directly with exact types.
+    Direct construction does not coerce: ``port="1239"`` is rejected, ``port=1239`` is accepted.
+    """
+
+    role: AFDRole
+    connector: str = "p2p"
+    host: str = "127.0.0.1"
+    port: int = 1239
+    num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
+    compute_gate_on_attention: bool = False
+    timeout_s: float = 120.0
+    connector_extra_config: Mapping[str, Any] = field(
+        default_factory=lambda: MappingProxyType({}), hash=False
+    )
+
+    def __post_init__(self) -> None:
+        # role: an AFDRole, or its exact string value.
+        if isinstance(self.role, AFDRole):
+            role = self.role
+        elif isinstance(self.role, str) and self.role in {r.value for r in AFDRole}:
+            role = AFDRole(self.role)
+        else:
+            raise AFDConfigError("role", self.role, "one of 'attention', 'ffn'")
+        object.__setattr__(self, "role", role)
+
+        if not isinstance(self.connector, str) or not self.connector.strip():
+            raise AFDConfigError("connector", self.connector, "a non-empty connector name")
+        connector = CONNECTOR_NAME_ALIASES.get(self.connector, self.connector)
+        object.__setattr__(self, "connector", connector)
+
+        if not isinstance(self.host, str) or not self.host or self.host != self.host.strip():
+            raise AFDConfigError(
+                "host", self.host, "a non-empty host name or IP address without whitespace"
+            )
+        if any(ch.isspace() for ch in self.host):
+            raise AFDConfigError(
+                "host", self.host, "a non-empty host name or IP address without whitespace"
+            )
+
+        self._check_int("port", self.port, 1, 65535)
+        self._check_int("num_attention_ranks", self.num_attention_ranks, 1, _MAX_RANKS)
+        self._check_int("num_ffn_ranks", self.num_ffn_ranks, 1, _MAX_RANKS)
+        if self.num_ffn_ranks > self.num_attention_ranks:
+            raise AFDConfigError(
+                "num_ffn_ranks",
+                self.num_ffn_ranks,
+                f"at most num_attention_ranks={self.num_attention_ranks} "
+                "(every FFN rank must serve at least one Attention rank)",
+            )
+        if not isinstance(self.compute_gate_on_attention, bool):
+            raise AFDConfigError(
+                "compute_gate_on_attention", self.compute_gate_on_attention, "a bool"
+            )
+        if (
+            isinstance(self.timeout_s, bool)
+            or not isinstance(self.timeout_s, int | float)
+            or not math.isfinite(self.timeout_s)
+            or self.timeout_s <= 0
+        ):
+            raise AFDConfigError("timeout_s", self.timeout_s, "a finite number of seconds > 0")
+        object.__setattr__(self, "timeout_s", float(self.timeout_s))
+
+        extra = _freeze_extra(self.connector_extra_config)
+        # The selected connector owns (and validates) its extra config.
+        from afd_core.connector import get_connector_class  # local: connector imports config
+
+        try:
+            connector_cls = get_connector_class(connector)
+        except AFDRegistryError:
+            from afd_core.connector import available_connectors
+
+            raise AFDConfigError(
+                "connector",
+                self.connector,
+                f"a registered connector name, one of {list(available_connectors())}",
+            ) from None
+        normalized = connector_cls.validate_extra_config(extra)
+        object.__setattr__(self, "connector_extra_config", MappingProxyType(dict(normalized)))
+
+    @staticmethod
+    def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise AFDConfigError(name, value, f"an integer in {lo}..{hi} (not bool, not float)")
+        if not lo <= value <= hi:
+            raise AFDConfigError(name, value, f"an integer in {lo}..{hi}")
+
+    # ----------------------------------------------------------------------------------------
+
+    @property
+    def is_attention(self) -> bool:
+        """True for the Attention role."""
+        return self.role is AFDRole.ATTENTION
+
+    @property
+    def is_ffn(self) -> bool:
+        """True for the FFN role."""
+        return self.role is AFDRole.FFN
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any]) -> AFDConfig:
+        """Parse the user-facing mapping (the value of ``additional_config["afd"]``).
+
+        Raises:
+            AFDConfigError: not a mapping, unknown key, alias conflict, missing ``role``, or any
+                invalid value (the error names the field).
+        """
+        if not isinstance(raw, Mapping):
+            raise AFDConfigError(AFD_ADDITIONAL_CONFIG_KEY, raw, "a mapping of AFD config fields")
+        canonical: dict[str, Any] = {}
+        source_key: dict[str, str] = {}
+        for key, value in raw.items():
+            if not isinstance(key, str):
+                raise AFDConfigError(str(key), value, f"keys among {list(CONFIG_FIELDS)}")
+            name = CONFIG_ALIASES.get(key, key)
+            if name not in CONFIG_FIELDS:
+                raise AFDConfigError(
+                    key,
+                    value,
+                    f"known keys {list(CONFIG_FIELDS)} (aliases {dict(CONFIG_ALIASES)}); "
+                    "connector-specific values go under 'connector_extra_config'",
+                    detail="unknown AFD config key",
+                )
+            if name in canonical:
+                raise AFDConfigError(
+                    name,
+                    value,
+                    "exactly one of the canonical key and its alias",
+                    detail=f"both {source_key[name]!r} and {key!r} were given",
+                )
+            canonical[name] = value
+            source_key[name] = key
+        if "role" not in canonical:
+            raise AFDConfigError("role", None, "one of 'attention', 'ffn' (required)")
+
+        kwargs: dict[str, Any] = {"role": _coerce_role(canonical["role"])}
+        if "connector" in canonical:
+            kwargs["connector"] = _coerce_str("connector", canonical["connector"])
+        if "host" in canonical:
+            kwargs["host"] = _coerce_str("host", canonical["host"])
+        for name in ("port", "num_attention_ranks", "num_ffn_ranks"):
+            if name in canonical:
+                kwargs[name] = _coerce_int(name, canonical[name])
+        if "compute_gate_on_attention" in canonical:
+            kwargs["compute_gate_on_attention"] = _coerce_bool(
+                "compute_gate_on_attention", canonical["compute_gate_on_attention"]
+            )
+        if "timeout_s" in canonical:
+            kwargs["timeout_s"] = _coerce_float("timeout_s", canonical["timeout_s"])
+        if "connector_extra_config" in canonical:
+            extra = canonical["connector_extra_config"]
+            kwargs["connector_extra_config"] = {} if extra is None else _freeze_extra(extra)
+        return cls(**kwargs)
+
+    def to_mapping(self) -> dict[str, Any]:
+        """The canonical mapping; ``from_mapping(c.to_mapping()) == c``."""
+        return {
+            "role": self.role.value,
+            "connector": self.connector,
+            "host": self.host,
+            "port": self.port,
+            "num_attention_ranks": self.num_attention_ranks,
+            "num_ffn_ranks": self.num_ffn_ranks,
+            "compute_gate_on_attention": self.compute_gate_on_attention,
+            "timeout_s": self.timeout_s,
+            "connector_extra_config": dict(self.connector_extra_config),
+        }
+
+    def agreement_fields(self) -> dict[str, Any]:
+        """The fields both roles must agree on (all but ``role`` and ``timeout_s``)."""
+        return {
+            "connector": self.connector,
+            "host": self.host,
+            "port": self.port,
+            "num_attention_ranks": self.num_attention_ranks,
+            "num_ffn_ranks": self.num_ffn_ranks,
+            "compute_gate_on_attention": self.compute_gate_on_attention,
+            "connector_extra_config": dict(self.connector_extra_config),
+        }
+
+    def agreement_hash(self) -> str:
+        """SHA-256 (hex) of :meth:`agreement_fields` as canonical JSON (sorted keys)."""
+        text = json.dumps(
+            self.agreement_fields(),
+            sort_keys=True,
+            separators=(",", ":"),
+            default=_json_default,
+        )
+        return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def parse_afd_config(additional_config: Any) -> AFDConfig | None:
+    """Parse ``additional_config["afd"]``; ``None`` when AFD is not configured.
+
+    Args:
+        additional_config: vLLM's ``additional_config`` mapping, ``None``, or an object with an
+            ``additional_config`` attribute (e.g. a ``VllmConfig``).
+
+    Raises:
+        AFDConfigError: ``additional_config`` is not a mapping, or the ``afd`` value is invalid.
+    """
+    if additional_config is not None and not isinstance(additional_config, Mapping):
+        if hasattr(additional_config, "additional_config"):
+            additional_config = additional_config.additional_config
+        else:
+            raise AFDConfigError(
+                "additional_config", additional_config, "a mapping, None, or a VllmConfig"
+            )
+    if additional_config is None:
+        return None
+    if not isinstance(additional_config, Mapping):
+        raise AFDConfigError("additional_config", additional_config, "a mapping or None")
+    if AFD_ADDITIONAL_CONFIG_KEY not in additional_config:
+        return None
+    return AFDConfig.from_mapping(additional_config[AFD_ADDITIONAL_CONFIG_KEY])

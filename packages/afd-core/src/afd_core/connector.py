@@ -1,0 +1,362 @@
+"""The connector contract every AFD transport implements, and the connector registry.
+
+Call protocol (one step; ``S`` stages, ``L`` layers; both roles follow the same order)::
+
+    Attention rank                               FFN rank
+    send_control(msg)            ───────────▶    recv_control() -> msg (counts per served rank)
+    for layer: for stage:                        for layer: for stage:
+      h = send_attn_output(payload, meta)  ──▶     payloads = recv_attn_output(meta)
+      (overlap: dbo_yield())                        outputs = compute(payloads)
+      out = recv_ffn_output(h)             ◀──     send_ffn_output(outputs, meta)
+
+Invariants:
+* Construction is cheap and side-effect free; :meth:`AFDConnectorBase.init` is collective (every
+  rank of the connector world calls it) and raises on any disagreement; :meth:`close` is
+  idempotent, safe after a partial or failed ``init`` and leaves ``is_initialized`` false;
+  ``init`` after ``close`` works.
+* A payload/metadata that does not match the agreed :class:`AFDPayloadSpec` raises
+  :class:`AFDPayloadError` before any byte is sent.
+* Every blocking wait is bounded by ``config.timeout_s`` (unless a call documents otherwise) and
+  raises :class:`AFDTimeoutError` or :class:`AFDPeerError` instead of hanging.
+* A handle returned by :meth:`send_attn_output` is consumed by exactly one
+  :meth:`recv_ffn_output`.
+
+Registry: built-in connectors are registered by name (``"p2p"``); third-party distributions add
+connectors through the ``afd.connectors`` entry-point group (``name = "pkg.module:ConnectorClass"``).
+"""
+
+from __future__ import annotations
+
+import threading
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping, Sequence
+from importlib import import_module
+from importlib.metadata import entry_points
+from types import TracebackType
+from typing import Any, ClassVar
+
+import torch
+
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDConfigError, AFDConnectorError, AFDRegistryError
+from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
+from afd_core.topology import AFDTopology
+
+__all__ = [
+    "CONNECTOR_ENTRY_POINT_GROUP",
+    "AFDConnectorBase",
+    "AFDTransferHandle",
+    "available_connectors",
+    "create_connector",
+    "get_connector_class",
+    "register_connector",
+    "unregister_connector",
+]
+
+CONNECTOR_ENTRY_POINT_GROUP = "afd.connectors"
+
+
+class AFDTransferHandle:
+    """The Attention side's ticket for one in-flight transfer.
+
+    ``metadata`` is the metadata given to ``send_attn_output``; ``state`` is connector-private.
+    A handle may be passed to ``recv_ffn_output`` exactly once.
+    """
+
+    __slots__ = ("__weakref__", "_consumed", "connector_id", "metadata", "state")
+
+    def __init__(self, metadata: AFDTransferMetadata, state: Any, connector_id: int) -> None:
+        self.metadata = metadata
+        self.state = state
+        self.connector_id = connector_id
+        self._consumed = False
+
+    @property
+    def consumed(self) -> bool:
+        """True once ``recv_ffn_output`` took this handle."""
+        return self._consumed
+
+    def consume(self) -> None:
+        """Mark consumed; raises :class:`AFDConnectorError` on a second use."""
+        if self._consumed:
+            raise AFDConnectorError(
+                f"AFD transfer handle for layer {self.metadata.layer_idx} stage "
+                f"{self.metadata.stage_idx} was already received"
+            )
+        self._consumed = True
+
+    def __repr__(self) -> str:
+        return f"AFDTransferHandle({self.metadata!r}, consumed={self._consumed})"
+
+
+class AFDConnectorBase(ABC):
+    """Abstract base of every AFD connector.
+
+    Subclasses implement the data plane (``send_attn_output``/``recv_ffn_output`` on the Attention
+    side, ``recv_attn_output``/``send_ffn_output`` on the FFN side) and may implement the control
+    plane (``send_control``/``recv_control``; set ``has_control_plane = True``).
+    """
+
+    name: ClassVar[str] = "abstract"
+    has_control_plane: ClassVar[bool] = False
+
+    def __init__(
+        self,
+        config: AFDConfig,
+        topology: AFDTopology | None = None,
+        role_rank: int = 0,
+        *,
+        payload_spec: AFDPayloadSpec,
+        num_layers: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(config, AFDConfig):
+            raise AFDConfigError("config", type(config).__name__, "an AFDConfig")
+        if topology is None:
+            topology = AFDTopology.from_config(config)
+        if not isinstance(topology, AFDTopology):
+            raise AFDConfigError("topology", type(topology).__name__, "an AFDTopology")
+        if (topology.num_attention_ranks, topology.num_ffn_ranks) != (
+            config.num_attention_ranks,
+            config.num_ffn_ranks,
+        ):
+            raise AFDConfigError(
+                "topology",
+                topology,
+                f"num_attention_ranks={config.num_attention_ranks}, "
+                f"num_ffn_ranks={config.num_ffn_ranks} as in the config",
+            )
+        topology.check_role_rank(config.role, role_rank)
+        if not isinstance(payload_spec, AFDPayloadSpec):
+            raise AFDConfigError("payload_spec", payload_spec, "an AFDPayloadSpec")
+        if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
+            raise AFDConfigError("num_layers", num_layers, "a positive int")
+        try:
+            dev = torch.device("cpu" if device is None else device)
+        except (RuntimeError, TypeError):
+            raise AFDConfigError(
+                "device", device, "a torch device (cpu, cuda[:i], npu[:i])"
+            ) from None
+        self.config = config
+        self.topology = topology
+        self.role_rank = role_rank
+        self.payload_spec = payload_spec
+        self.num_layers = num_layers
+        self.device = dev
+
+    # -- identity --------------------------------------------------------------------------
+
+    @property
+    def role(self) -> AFDRole:
+        """This rank's role."""
+        return self.config.role
+
+    @property
+    def world_rank(self) -> int:
+        """This rank's rank in the connector world (Attention first, then FFN)."""
+        return self.topology.world_rank(self.role, self.role_rank)
+
+    @property
+    def supported_payload_fields(self) -> frozenset[str]:
+        """Payload fields this connector carries (exactly those of its payload spec)."""
+        return self.payload_spec.field_names
+
+    @classmethod
+    def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Validate and normalise ``connector_extra_config``; the default accepts only ``{}``.
+
+        Raises:
+            AFDConfigError: naming ``connector_extra_config.<key>``.
+        """
+        for key, value in extra.items():
+            raise AFDConfigError(
+                f"connector_extra_config.{key}",
+                value,
+                f"no keys (connector {cls.name!r} takes no extra config)",
+            )
+        return {}
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    @abstractmethod
+    def init(self) -> None:
+        """Collective: connect, handshake and become ready (idempotent while initialised)."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release every resource; idempotent; safe after a partial or failed ``init``."""
+
+    @property
+    @abstractmethod
+    def is_initialized(self) -> bool:
+        """True between a successful ``init`` and ``close``."""
+
+    def __enter__(self) -> AFDConnectorBase:
+        self.init()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    # -- Attention side --------------------------------------------------------------------
+
+    @abstractmethod
+    def send_attn_output(
+        self, payload: AFDPayload, metadata: AFDTransferMetadata
+    ) -> AFDTransferHandle:
+        """Send this rank's payload for one layer/stage to its FFN rank (may return early)."""
+
+    @abstractmethod
+    def recv_ffn_output(
+        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Wait for the FFN reply of ``handle``: ``[tokens, hidden_size]`` (into ``out`` if given)."""
+
+    # -- FFN side --------------------------------------------------------------------------
+
+    @abstractmethod
+    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
+        """Receive one payload per served Attention rank (in ``attention_ranks_for`` order)."""
+
+    @abstractmethod
+    def send_ffn_output(
+        self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
+    ) -> None:
+        """Send each served Attention rank its ``[tokens_i, hidden_size]`` result.
+
+        ``outputs`` is one tensor per served rank, or one tensor of all rows concatenated in
+        served-rank order (split by ``metadata.num_tokens``).
+        """
+
+    # -- control plane (optional) ----------------------------------------------------------
+
+    def send_control(self, message: AFDControlMessage) -> None:
+        """Attention side: announce the step's token counts (and flags) to the FFN rank."""
+        raise AFDConnectorError(f"connector {self.name!r} has no control plane")
+
+    def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
+        """FFN side: the step's counts, one entry per served Attention rank per stage."""
+        raise AFDConnectorError(f"connector {self.name!r} has no control plane")
+
+
+# ------------------------------------------------------------------------------------------
+# Registry
+
+ConnectorClass = type[AFDConnectorBase]
+_registry: dict[str, ConnectorClass | Callable[[], ConnectorClass]] = {}
+_registry_lock = threading.Lock()
+_entry_points_loaded = False
+
+
+def _builtin(module: str, attr: str) -> Callable[[], ConnectorClass]:
+    def load() -> ConnectorClass:
+        cls = getattr(import_module(module), attr)
+        return _check_class(f"{module}.{attr}", cls)
+
+    return load
+
+
+def _check_class(origin: str, cls: Any) -> ConnectorClass:
+    if not (isinstance(cls, type) and issubclass(cls, AFDConnectorBase)):
+        raise AFDRegistryError(f"{origin} is not an AFDConnectorBase subclass")
+    return cls
+
+
+def register_connector(
+    name: str,
+    cls: ConnectorClass | Callable[[], ConnectorClass],
+    *,
+    replace: bool = False,
+) -> None:
+    """Register ``cls`` (a connector class, or a zero-arg loader returning one) under ``name``.
+
+    Raises:
+        AFDRegistryError: empty name, not a connector class, or a duplicate without ``replace``.
+    """
+    if not isinstance(name, str) or not name.strip():
+        raise AFDRegistryError(f"connector name must be a non-empty string, got {name!r}")
+    if isinstance(cls, type):
+        _check_class(name, cls)
+    elif not callable(cls):
+        raise AFDRegistryError(f"connector {name!r} must be a class or a loader, got {cls!r}")
+    with _registry_lock:
+        if name in _registry and not replace:
+            raise AFDRegistryError(f"connector {name!r} is already registered")
+        _registry[name] = cls
+
+
+def unregister_connector(name: str) -> None:
+    """Remove ``name`` from the registry (no-op when absent)."""
+    with _registry_lock:
+        _registry.pop(name, None)
+
+
+def _load_entry_points() -> None:
+    global _entry_points_loaded
+    if _entry_points_loaded:
+        return
+    _entry_points_loaded = True
+    for ep in entry_points(group=CONNECTOR_ENTRY_POINT_GROUP):
+        with _registry_lock:
+            if ep.name in _registry:
+                continue
+
+            def load(ep: Any = ep) -> ConnectorClass:
+                return _check_class(f"entry point {ep.name}={ep.value}", ep.load())
+
+            _registry[ep.name] = load
+
+
+def available_connectors() -> tuple[str, ...]:
+    """Registered names (built-ins and entry points), sorted."""
+    _load_entry_points()
+    with _registry_lock:
+        return tuple(sorted(_registry))
+
+
+def get_connector_class(name: str) -> ConnectorClass:
+    """The connector class registered as ``name`` (resolving lazy loaders).
+
+    Raises:
+        AFDRegistryError: unknown name, or the registration does not resolve to a connector class.
+    """
+    _load_entry_points()
+    with _registry_lock:
+        entry = _registry.get(name)
+    if entry is None:
+        raise AFDRegistryError(f"unknown AFD connector {name!r}; registered: {sorted(_registry)}")
+    if isinstance(entry, type):
+        return entry
+    cls = _check_class(name, entry())
+    with _registry_lock:
+        _registry[name] = cls
+    return cls
+
+
+def create_connector(
+    config: AFDConfig,
+    role_rank: int,
+    *,
+    payload_spec: AFDPayloadSpec,
+    num_layers: int,
+    device: torch.device | str | None = None,
+    topology: AFDTopology | None = None,
+) -> AFDConnectorBase:
+    """Construct (not initialise) the connector ``config.connector`` for ``role_rank``."""
+    cls = get_connector_class(config.connector)
+    return cls(
+        config,
+        topology,
+        role_rank,
+        payload_spec=payload_spec,
+        num_layers=num_layers,
+        device=device,
+    )
+
+
+register_connector("p2p", _builtin("afd_core.p2p", "P2PConnector"))

@@ -1,0 +1,136 @@
+"""Exception types of afd-core.
+
+Invariants:
+* Every error raised by afd-core derives from :class:`AFDError`.
+* Validation errors (:class:`AFDConfigError`, :class:`AFDPayloadError`) are ``ValueError``s that name
+  the offending field and value and say what is allowed; they are raised before any side effect
+  (no store key written, no byte sent).
+* Runtime errors of a connector (:class:`AFDConnectorError` and subclasses) are ``RuntimeError``s;
+  :class:`AFDTimeoutError` is also a ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = [
+    "AFDConfigError",
+    "AFDConnectorError",
+    "AFDContextError",
+    "AFDError",
+    "AFDHandshakeError",
+    "AFDNotInitializedError",
+    "AFDPayloadError",
+    "AFDPeerError",
+    "AFDProtocolError",
+    "AFDRegistryError",
+    "AFDStartupError",
+    "AFDTimeoutError",
+]
+
+
+class AFDError(Exception):
+    """Base class of every afd-core error."""
+
+
+class AFDConfigError(AFDError, ValueError):
+    """An invalid configuration value.
+
+    Attributes:
+        field: the configuration field (dotted for nested values, e.g. ``connector_extra_config.x``).
+        value: the rejected value as given.
+        allowed: a human-readable description of what is accepted.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str, *, detail: str | None = None) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        msg = f"invalid AFD config field {field!r}: got {value!r}; allowed: {allowed}"
+        if detail:
+            msg = f"{msg} ({detail})"
+        super().__init__(msg)
+
+
+class AFDPayloadError(AFDError, ValueError):
+    """A payload or transfer metadata that does not match the agreed wire contract.
+
+    Raised before any byte of the transfer is sent.
+
+    Attributes:
+        field: the payload/metadata field at fault (e.g. ``router_logits``, ``num_tokens``).
+        value: the rejected value (usually a shape, dtype or count).
+        allowed: what the contract expects.
+    """
+
+    def __init__(self, field: str, value: Any, allowed: str) -> None:
+        self.field = field
+        self.value = value
+        self.allowed = allowed
+        super().__init__(f"invalid AFD payload field {field!r}: got {value!r}; expected {allowed}")
+
+
+class AFDContextError(AFDError, RuntimeError):
+    """AFD forward metadata was requested but none is installed for the current forward."""
+
+
+class AFDRegistryError(AFDError, ValueError):
+    """Unknown, duplicate or invalid connector registration."""
+
+
+class AFDConnectorError(AFDError, RuntimeError):
+    """Base class of connector runtime failures (initialisation, transfer, shutdown)."""
+
+
+class AFDNotInitializedError(AFDConnectorError):
+    """A transfer was attempted on a connector that is not initialised (or already closed)."""
+
+
+class AFDProtocolError(AFDConnectorError):
+    """A peer sent bytes that violate the wire protocol (bad magic, version, length or flags)."""
+
+
+class AFDHandshakeError(AFDConnectorError):
+    """Two ranks disagree on a handshake field at connector initialisation.
+
+    Attributes:
+        field: the handshake field that differs (e.g. ``hidden_size``).
+        local: this rank's value.
+        remote: the peer's value.
+        peer_rank: the peer's world rank.
+    """
+
+    def __init__(self, field: str, local: Any, remote: Any, peer_rank: int) -> None:
+        self.field = field
+        self.local = local
+        self.remote = remote
+        self.peer_rank = peer_rank
+        super().__init__(
+            f"AFD handshake mismatch on field {field!r}: this rank has {local!r}, "
+            f"world rank {peer_rank} has {remote!r}"
+        )
+
+
+class AFDTimeoutError(AFDConnectorError, TimeoutError):
+    """A wait exceeded its timeout (``AFDConfig.timeout_s`` unless overridden)."""
+
+
+class AFDPeerError(AFDConnectorError):
+    """A peer failed, died or closed its connection during an operation.
+
+    Attributes:
+        rank: the failed peer's world rank when known, else ``None``.
+        stage: the operation or startup stage during which the failure was observed.
+        reason: the failure reason (published by the peer, or the transport error).
+    """
+
+    def __init__(self, rank: int | None, stage: str, reason: str) -> None:
+        self.rank = rank
+        self.stage = stage
+        self.reason = reason
+        who = f"world rank {rank}" if rank is not None else "a peer"
+        super().__init__(f"AFD {who} failed during {stage!r}: {reason}")
+
+
+class AFDStartupError(AFDPeerError):
+    """A rank published a startup failure; every waiting peer raises this naming rank and stage."""

@@ -1,0 +1,771 @@
+"""The torch.distributed point-to-point connector (registered as ``"p2p"``).
+
+World: its own ``A + F`` ranks (Attention first, see :mod:`afd_core.topology`) on a TCPStore at
+``config.host:config.port`` served by world rank 0; vLLM's process groups are never used.
+
+Per initialisation (generation ``g``, counted per rank on the store so re-init after close works):
+
+1. connect to the store; namespace ``afd/g<g>``; claim the world rank (a duplicate fails);
+2. handshake: every rank publishes protocol version, config agreement fields and hash, hidden
+   size, dtype, layer count, topology, payload spec and device type, reads everyone else's, and
+   raises :class:`AFDHandshakeError` naming the first differing field (so a mismatch fails on
+   both sides); a failing rank publishes its failure so no peer waits for it;
+3. a barrier, then two process groups: a Gloo *control* group (CPU ``int64`` control messages)
+   and a *data* group whose backend follows the device (``cpu``: gloo, ``cuda``: nccl,
+   ``npu``: hccl), with ``config.timeout_s`` as its timeout.
+
+Per step (see :mod:`afd_core.connector` for the call order): every Attention rank sends its
+per-stage token counts to its FFN rank (fixed-size control message, tag per direction); per layer
+and stage the Attention rank posts a send per payload field (tag per stage and field) and the
+receive of the reply, and returns (``recv_ffn_output`` only waits), so two stages can be in flight
+(DBO). The FFN rank receives from each served Attention rank and sends back
+``[tokens_i, hidden]``. Zero-token peers move no bytes.
+
+Invariants:
+* Shapes, dtypes, devices, token counts (against the announced control counts) and layer index
+  are validated before any byte is sent.
+* Every wait is bounded by ``config.timeout_s`` (``recv_control`` may wait longer when asked, for
+  idle service loops). Any transport error publishes this rank's failure on the store and tears
+  the groups down (closing its connections so peers fail fast), then raises
+  :class:`AFDPeerError` (naming the failed rank when one published a failure) or
+  :class:`AFDTimeoutError`.
+* ``close()`` is idempotent and safe after a partial init; ``init()`` after ``close()`` works.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import time
+import weakref
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from typing import Any, NoReturn
+
+import torch
+import torch.distributed as dist
+
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector import AFDConnectorBase, AFDTransferHandle
+from afd_core.errors import (
+    AFDConfigError,
+    AFDConnectorError,
+    AFDHandshakeError,
+    AFDNotInitializedError,
+    AFDPayloadError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDStartupError,
+    AFDTimeoutError,
+)
+from afd_core.metadata import (
+    PAYLOAD_FIELDS,
+    AFDControlMessage,
+    AFDPayload,
+    AFDPayloadSpec,
+    AFDTransferMetadata,
+    dtype_name,
+)
+from afd_core.startup import StartupCoordinator, open_tcp_store
+from afd_core.topology import AFDTopology
+
+__all__ = [
+    "CONTROL_WORDS",
+    "PROTOCOL_VERSION",
+    "P2PConnector",
+    "backend_for_device",
+    "make_process_group",
+]
+
+PROTOCOL_VERSION = 1
+"""Version of the P2P wire protocol (handshake, tags, message layout)."""
+
+CONTROL_WORDS = 64
+"""Fixed length (int64 words) of a control message on the wire (room for 59 stages)."""
+
+_CONTROL_TAG = 1
+_SEQ_TAG = 2
+_DATA_TAG_BASE = 64
+_LONG_WAIT = timedelta(days=30)
+
+_BACKENDS: Mapping[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_EXTRA_KEYS = frozenset({"check_sequence", "reuse_buffers"})
+
+
+def backend_for_device(device: torch.device | str) -> str:
+    """The torch.distributed backend for tensors on ``device`` (cpu: gloo, cuda: nccl, npu: hccl)."""
+    # Parse strings by hand: "npu" is only a torch device type once torch_npu is imported.
+    kind = device.split(":", 1)[0].strip() if isinstance(device, str) else device.type
+    try:
+        return _BACKENDS[kind]
+    except KeyError:
+        raise AFDConfigError(
+            "device", str(device), f"a device of type {sorted(_BACKENDS)}"
+        ) from None
+
+
+def make_process_group(
+    backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta
+) -> Any:
+    """A standalone process group (not registered as torch's default group)."""
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world_size, opts)
+    if backend == "hccl":  # pragma: no cover - needs torch_npu
+        import torch_npu  # noqa: F401
+        from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+        hopts = ProcessGroupHCCL.Options()
+        hopts._timeout = timeout
+        return ProcessGroupHCCL(store, rank, world_size, hopts)
+    raise AFDConfigError("backend", backend, f"one of {sorted(set(_BACKENDS.values()))}")
+
+
+def _data_tag(stage_idx: int, field_idx: int, to_ffn: bool) -> int:
+    return _DATA_TAG_BASE + (stage_idx * 8 + field_idx) * 2 + (0 if to_ffn else 1)
+
+
+class _PendingRecv:
+    """Attention-side state of one transfer: send works, the reply buffer and its receive."""
+
+    __slots__ = ("buffer", "peer", "recv_work", "send_works")
+
+    def __init__(self, peer: int) -> None:
+        self.peer = peer
+        self.send_works: list[Any] = []
+        self.recv_work: Any = None
+        self.buffer: torch.Tensor | None = None
+
+
+class P2PConnector(AFDConnectorBase):
+    """Point-to-point AFD connector on torch.distributed (see the module docstring)."""
+
+    name = "p2p"
+    has_control_plane = True
+
+    @classmethod
+    def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Accepted keys (both bool, default false):
+
+        * ``check_sequence``: send a 3-word header (layer, stage, tokens) before every Attention
+          payload and verify it on the FFN side (catches out-of-order calls).
+        * ``reuse_buffers``: receive into per-(stage, peer, field) buffers kept by the connector
+          instead of fresh tensors. A returned tensor is then only valid until the next receive
+          of the same stage (and peer): consume or copy it before that.
+        """
+        out: dict[str, Any] = {}
+        for key, value in extra.items():
+            if key in _EXTRA_KEYS:
+                if not isinstance(value, bool):
+                    raise AFDConfigError(f"connector_extra_config.{key}", value, "a bool")
+                out[key] = value
+            else:
+                raise AFDConfigError(
+                    f"connector_extra_config.{key}",
+                    value,
+                    f"keys among {sorted(_EXTRA_KEYS)} for connector 'p2p'",
+                )
+        return out
+
+    def __init__(
+        self,
+        config: AFDConfig,
+        topology: AFDTopology | None = None,
+        role_rank: int = 0,
+        *,
+        payload_spec: AFDPayloadSpec,
+        num_layers: int,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__(
+            config,
+            topology,
+            role_rank,
+            payload_spec=payload_spec,
+            num_layers=num_layers,
+            device=device,
+        )
+        self.backend = backend_for_device(self.device)
+        self._device_type = self.device.type
+        self.check_sequence = bool(config.connector_extra_config.get("check_sequence", False))
+        self.reuse_buffers = bool(config.connector_extra_config.get("reuse_buffers", False))
+        self._pool: dict[tuple[int, ...], torch.Tensor] = {}
+        topo = self.topology
+        if self.role is AFDRole.ATTENTION:
+            self._ffn_world_rank = topo.world_rank(AFDRole.FFN, topo.ffn_rank_for(role_rank))
+            self._served: tuple[int, ...] = ()
+        else:
+            self._ffn_world_rank = -1
+            self._served = tuple(
+                topo.world_rank(AFDRole.ATTENTION, a) for a in topo.attention_ranks_for(role_rank)
+            )
+        self._timeout = timedelta(seconds=config.timeout_s)
+        self._store: Any = None
+        self._coordinator: StartupCoordinator | None = None
+        self._ctl_pg: Any = None
+        self._data_pg: Any = None
+        self._initialized = False
+        self._generation = 0
+        self._announced: tuple[int, ...] | None = None
+        self._control: AFDControlMessage | None = None
+        self._handles: weakref.WeakSet[AFDTransferHandle] = weakref.WeakSet()
+
+    # -- identity ------------------------------------------------------------------------
+
+    @property
+    def is_initialized(self) -> bool:
+        return self._initialized
+
+    @property
+    def generation(self) -> int:
+        """How many times this world rank initialised against the current store server."""
+        return self._generation
+
+    @property
+    def coordinator(self) -> StartupCoordinator | None:
+        """The startup coordinator of the current initialisation (``None`` when closed)."""
+        return self._coordinator
+
+    @property
+    def served_world_ranks(self) -> tuple[int, ...]:
+        """FFN side: world ranks of the served Attention ranks (empty on the Attention side)."""
+        return self._served
+
+    def handshake_fields(self) -> dict[str, Any]:
+        """What this rank publishes at init; every field must match on every rank."""
+        return {
+            "protocol_version": PROTOCOL_VERSION,
+            "config": self.config.agreement_fields(),
+            "config_hash": self.config.agreement_hash(),
+            "hidden_size": self.payload_spec.hidden_size,
+            "dtype": dtype_name(self.payload_spec.dtype),
+            "num_layers": self.num_layers,
+            "topology": [self.topology.num_attention_ranks, self.topology.num_ffn_ranks],
+            "payload_spec": self.payload_spec.to_wire(),
+            "device_type": self.device.type,
+        }
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def init(self) -> None:
+        if self._initialized:
+            return
+        stage = "connect"
+        try:
+            deadline = time.monotonic() + self.config.timeout_s
+            root = open_tcp_store(
+                self.config.host,
+                self.config.port,
+                is_master=self.world_rank == 0,
+                timeout_s=self.config.timeout_s,
+            )
+            self._store = root
+            self._generation = int(root.add(f"afd/inits/{self.world_rank}", 1))
+            ns = dist.PrefixStore(f"afd/g{self._generation}", root)
+            self._store = ns
+            coord = StartupCoordinator(
+                ns,
+                rank=self.world_rank,
+                world_size=self.topology.world_size,
+                timeout_s=self.config.timeout_s,
+            )
+            self._coordinator = coord
+            stage = "claim"
+            if ns.add(f"claim/{self.world_rank}", 1) != 1:
+                raise AFDStartupError(
+                    self.world_rank,
+                    stage,
+                    f"world rank {self.world_rank} ({self.role} {self.role_rank}) was claimed "
+                    "by two processes",
+                )
+            stage = "handshake"
+            self._handshake(ns, coord, deadline)
+            coord.barrier("handshake", timeout_s=self._remaining(deadline))
+            stage = "process_groups"
+            self._ctl_pg = make_process_group(
+                "gloo",
+                dist.PrefixStore("pg/ctl", ns),
+                self.world_rank,
+                self.topology.world_size,
+                _LONG_WAIT,
+            )
+            self._data_pg = make_process_group(
+                self.backend,
+                dist.PrefixStore("pg/data", ns),
+                self.world_rank,
+                self.topology.world_size,
+                self._timeout,
+            )
+            coord.barrier("ready", timeout_s=self._remaining(deadline))
+        except BaseException as err:
+            if self._coordinator is not None and not isinstance(
+                err, AFDStartupError | AFDPeerError
+            ):
+                self._coordinator.publish_failure(stage, f"{type(err).__name__}: {err}")
+            self._teardown()
+            if isinstance(err, AFDConnectorError | AFDConfigError | KeyboardInterrupt):
+                raise
+            text = str(err).lower()
+            if isinstance(err, TimeoutError) or "timeout" in text or "timed out" in text:
+                raise AFDTimeoutError(
+                    f"AFD P2P init of world rank {self.world_rank} timed out in stage "
+                    f"{stage!r}: {err}"
+                ) from err
+            raise AFDPeerError(None, stage, f"{type(err).__name__}: {err}") from err
+        self._initialized = True
+
+    def _remaining(self, deadline: float) -> float:
+        return max(deadline - time.monotonic(), 0.001)
+
+    def _handshake(self, store: Any, coord: StartupCoordinator, deadline: float) -> None:
+        mine = self.handshake_fields()
+        store.set(f"hs/{self.world_rank}", json.dumps(mine, sort_keys=True))
+        others = [r for r in range(self.topology.world_size) if r != self.world_rank]
+        coord.wait_keys(
+            {r: f"hs/{r}" for r in others}, "handshake", timeout_s=self._remaining(deadline)
+        )
+        for peer in others:
+            theirs = json.loads(store.get(f"hs/{peer}").decode("utf-8"))
+            self._compare_handshake(mine, theirs, peer)
+
+    @staticmethod
+    def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer: int) -> None:
+        # Protocol version first: other fields may not be comparable across versions.
+        if theirs.get("protocol_version") != mine["protocol_version"]:
+            raise AFDHandshakeError(
+                "protocol_version", mine["protocol_version"], theirs.get("protocol_version"), peer
+            )
+        their_config = theirs.get("config", {})
+        for key, value in mine["config"].items():
+            if their_config.get(key) != value:
+                raise AFDHandshakeError(f"config.{key}", value, their_config.get(key), peer)
+        for key in (
+            "config_hash",
+            "hidden_size",
+            "dtype",
+            "num_layers",
+            "topology",
+            "payload_spec",
+            "device_type",
+        ):
+            if theirs.get(key) != mine[key]:
+                if key == "payload_spec":
+                    mine_spec, their_spec = mine[key], theirs.get(key) or {}
+                    for name in PAYLOAD_FIELDS:
+                        if mine_spec.get(name) != their_spec.get(name):
+                            raise AFDHandshakeError(
+                                f"payload_spec.{name}",
+                                mine_spec.get(name),
+                                their_spec.get(name),
+                                peer,
+                            )
+                raise AFDHandshakeError(key, mine[key], theirs.get(key), peer)
+
+    def close(self) -> None:
+        for handle in list(self._handles):
+            handle.state = None
+        self._handles = weakref.WeakSet()
+        self._teardown()
+
+    def _teardown(self) -> None:
+        for name in ("_data_pg", "_ctl_pg"):
+            pg = getattr(self, name)
+            setattr(self, name, None)
+            if pg is not None and self.backend != "gloo" and name == "_data_pg":
+                shutdown = getattr(pg, "shutdown", None) or getattr(pg, "abort", None)
+                if shutdown is not None:
+                    with contextlib.suppress(Exception):
+                        shutdown()
+            del pg
+        self._coordinator = None
+        self._store = None
+        self._announced = None
+        self._control = None
+        self._pool = {}
+        self._initialized = False
+
+    # -- failure handling ------------------------------------------------------------------
+
+    def _check_ready(self, role: AFDRole, op: str) -> None:
+        if not self._initialized:
+            raise AFDNotInitializedError(f"AFD P2P connector is not initialised ({op})")
+        if self.config.role is not role:
+            raise AFDConnectorError(f"{op} is a {role} operation; this rank's role is {self.role}")
+
+    def _fail(self, err: BaseException, op: str, peer: int | None) -> NoReturn:
+        """Classify ``err``, publish this rank's failure, tear down, raise.
+
+        Preference: the failure the awaited ``peer`` published; else a timeout (attributed to a
+        failed rank if one published); else the transport error attributed to ``peer`` (it
+        died or closed); else any published failure.
+        """
+        coord = self._coordinator
+
+        def published(rank: int | None) -> Any:
+            if coord is None:
+                return None
+            try:
+                return coord.first_failure() if rank is None else coord.failure_of(rank)
+            except Exception:
+                return None
+
+        text = str(err)
+        exc: AFDConnectorError
+        peer_failure = published(peer) if peer is not None else None
+        if isinstance(err, AFDConnectorError):
+            exc = err
+        elif peer_failure is not None:
+            exc = AFDPeerError(peer_failure.rank, peer_failure.stage, peer_failure.reason)
+        elif "timed out" in text.lower() or "application timeout" in text.lower():
+            other = published(None)
+            if other is not None:
+                exc = AFDPeerError(other.rank, other.stage, other.reason)
+            else:
+                exc = AFDTimeoutError(
+                    f"AFD P2P {op} with world rank {peer} did not complete within "
+                    f"{self.config.timeout_s:g}s: {text}"
+                )
+        elif peer is not None:
+            exc = AFDPeerError(peer, op, text)
+        else:
+            other = published(None)
+            exc = (
+                AFDPeerError(other.rank, other.stage, other.reason)
+                if other is not None
+                else AFDPeerError(None, op, text)
+            )
+        if coord is not None:
+            coord.publish_failure(op, f"{type(exc).__name__}: {exc}")
+        self.close()
+        if exc is err:
+            raise exc
+        raise exc from err
+
+    def _wait(
+        self, works: list[tuple[Any, int]], op: str, timeout: timedelta | None = None
+    ) -> None:
+        peer: int | None = None
+        try:
+            for work, src in works:
+                peer = src
+                if timeout is None:
+                    work.wait()
+                else:
+                    work.wait(timeout)
+        except RuntimeError as err:
+            works.clear()
+            work = None  # drop the last reference so a failed group can be torn down
+            self._fail(err, op, peer)
+        works.clear()
+
+    # -- control plane ---------------------------------------------------------------------
+
+    def send_control(self, message: AFDControlMessage) -> None:
+        """Send this rank's per-stage counts; ``message`` describes this rank (width 1) or all
+        Attention ranks (width ``A``, this rank's column is taken)."""
+        self._check_ready(AFDRole.ATTENTION, "send_control")
+        if not isinstance(message, AFDControlMessage):
+            raise AFDPayloadError("message", type(message).__name__, "an AFDControlMessage")
+        width = message.width
+        if message.num_stages and width not in (1, self.topology.num_attention_ranks):
+            raise AFDPayloadError(
+                "stage_token_counts",
+                message.stage_token_counts,
+                f"1 or num_attention_ranks={self.topology.num_attention_ranks} entries per stage",
+            )
+        if message.num_stages and width != 1:
+            message = message.select([self.role_rank])
+        words = message.encode()
+        if words.numel() > CONTROL_WORDS:
+            raise AFDPayloadError(
+                "stage_token_counts", message.num_stages, f"at most {CONTROL_WORDS - 5} stages"
+            )
+        wire = torch.zeros(CONTROL_WORDS, dtype=torch.int64)
+        wire[: words.numel()] = words
+        self._announced = (
+            None if message.shutdown else tuple(s[0] for s in message.stage_token_counts)
+        )
+        # No local reference to the work: after a failure nothing but ``self`` may keep the
+        # process groups alive (their destruction is what releases the peers).
+        self._wait(
+            [(self._ctl_pg.send([wire], self._ffn_world_rank, _CONTROL_TAG), self._ffn_world_rank)],
+            "send_control",
+            self._timeout,
+        )
+
+    def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
+        """Receive one control message from every served Attention rank and merge them.
+
+        ``timeout_s``: ``None`` uses ``config.timeout_s``; ``math.inf`` waits until a message
+        arrives or a peer fails (for idle service loops). Served ranks must agree on the number
+        of stages and on the flags (else :class:`AFDProtocolError`).
+        """
+        self._check_ready(AFDRole.FFN, "recv_control")
+        if timeout_s is None:
+            timeout = self._timeout
+        elif (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0
+        ):
+            raise AFDConfigError("timeout_s", timeout_s, "None, math.inf or seconds > 0")
+        else:
+            timeout = _LONG_WAIT if math.isinf(timeout_s) else timedelta(seconds=timeout_s)
+        buffers = [torch.empty(CONTROL_WORDS, dtype=torch.int64) for _ in self._served]
+        works = [
+            (self._ctl_pg.recv([buf], src, _CONTROL_TAG), src)
+            for buf, src in zip(buffers, self._served, strict=True)
+        ]
+        self._wait(works, "recv_control", timeout)
+        messages: list[AFDControlMessage] = []
+        for buf, src in zip(buffers, self._served, strict=True):
+            header = int(buf[3]) * int(buf[4]) + 5
+            try:
+                if not 5 <= header <= CONTROL_WORDS:
+                    raise AFDProtocolError(f"control message of {header} words")
+                msg = AFDControlMessage.decode(buf[:header].clone())
+                if msg.num_stages and msg.width != 1:
+                    raise AFDProtocolError(f"control message width {msg.width}, expected 1")
+            except AFDProtocolError as err:
+                self._fail(err, f"recv_control from world rank {src}", src)
+            messages.append(msg)
+        first = messages[0]
+        for src, msg in zip(self._served[1:], messages[1:], strict=True):
+            for name in ("num_stages", "is_warmup", "is_capture", "shutdown"):
+                if getattr(msg, name) != getattr(first, name):
+                    mismatch = AFDProtocolError(
+                        f"served Attention ranks disagree on {name}: world rank "
+                        f"{self._served[0]} sent {getattr(first, name)!r}, world rank {src} "
+                        f"sent {getattr(msg, name)!r}"
+                    )
+                    self._fail(mismatch, "recv_control", src)
+        merged = AFDControlMessage(
+            tuple(
+                tuple(m.stage_token_counts[s][0] for m in messages) for s in range(first.num_stages)
+            ),
+            is_warmup=first.is_warmup,
+            is_capture=first.is_capture,
+            shutdown=first.shutdown,
+        )
+        self._control = None if merged.shutdown else merged
+        return merged
+
+    # -- validation ------------------------------------------------------------------------
+
+    def _check_metadata(
+        self, metadata: AFDTransferMetadata, expected: tuple[int, ...] | None
+    ) -> None:
+        if not isinstance(metadata, AFDTransferMetadata):
+            raise AFDPayloadError("metadata", type(metadata).__name__, "an AFDTransferMetadata")
+        if metadata.layer_idx >= self.num_layers:
+            raise AFDPayloadError(
+                "layer_idx", metadata.layer_idx, f"an int in 0..{self.num_layers - 1}"
+            )
+        is_attention = self.config.role is AFDRole.ATTENTION
+        width = 1 if is_attention else len(self._served)
+        if len(metadata.num_tokens) != width:
+            raise AFDPayloadError(
+                "num_tokens", metadata.num_tokens, f"{width} count(s) (one per peer)"
+            )
+        if expected is not None:
+            if metadata.stage_idx >= len(expected):
+                raise AFDPayloadError(
+                    "stage_idx", metadata.stage_idx, f"an int in 0..{len(expected) - 1}"
+                )
+            announced = expected[metadata.stage_idx]
+            if is_attention and metadata.num_tokens[0] != announced:
+                raise AFDPayloadError(
+                    "num_tokens", metadata.num_tokens, f"({announced},) as announced"
+                )
+
+    def _buffer(
+        self, key: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """A receive buffer: fresh, or (``reuse_buffers``) a view of a kept one."""
+        if not self.reuse_buffers:
+            return torch.empty(shape, dtype=dtype, device=self.device)
+        buf = self._pool.get(key)
+        rows = shape[0]
+        if buf is None or buf.shape[0] < rows or buf.shape[1:] != shape[1:] or buf.dtype != dtype:
+            buf = torch.empty((max(rows, 1), *shape[1:]), dtype=dtype, device=self.device)
+            self._pool[key] = buf
+        return buf[:rows]
+
+    # -- Attention side --------------------------------------------------------------------
+
+    def send_attn_output(
+        self, payload: AFDPayload, metadata: AFDTransferMetadata
+    ) -> AFDTransferHandle:
+        self._check_ready(AFDRole.ATTENTION, "send_attn_output")
+        self._check_metadata(metadata, self._announced)
+        n = metadata.num_tokens[0]
+        self.payload_spec.validate_payload(payload, n, self._device_type)
+        state = _PendingRecv(self._ffn_world_rank)
+        dst = self._ffn_world_rank
+        stage = metadata.stage_idx
+        try:
+            if self.check_sequence:
+                header = torch.tensor(
+                    [metadata.layer_idx, stage, n], dtype=torch.int64, device=self.device
+                )
+                state.send_works.append(self._data_pg.send([header], dst, _SEQ_TAG))
+            if n:
+                for idx, spec in enumerate(self.payload_spec.fields):
+                    tensor = getattr(payload, spec.name).contiguous()
+                    state.send_works.append(
+                        self._data_pg.send([tensor], dst, _data_tag(stage, idx, True))
+                    )
+                # Post the reply's receive now: gloo sends rendezvous with the receive, so an
+                # early receive lets the FFN rank reply (and move on) while this rank overlaps
+                # other work (DBO); recv_ffn_output only waits.
+                state.buffer = self._buffer(
+                    (-1, stage), self.payload_spec.output_shape(n), self.payload_spec.dtype
+                )
+                state.recv_work = self._data_pg.recv(
+                    [state.buffer], dst, _data_tag(stage, 0, False)
+                )
+        except RuntimeError as err:
+            state.send_works.clear()
+            state.recv_work = None
+            self._fail(err, "send_attn_output", dst)
+        handle = AFDTransferHandle(metadata, state, id(self))
+        self._handles.add(handle)
+        return handle
+
+    def recv_ffn_output(
+        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        self._check_ready(AFDRole.ATTENTION, "recv_ffn_output")
+        if not isinstance(handle, AFDTransferHandle) or handle.connector_id != id(self):
+            raise AFDConnectorError("recv_ffn_output needs a handle from this connector")
+        state = handle.state
+        if not isinstance(state, _PendingRecv):
+            raise AFDConnectorError("AFD transfer handle was invalidated by close()")
+        n = handle.metadata.num_tokens[0]
+        shape = self.payload_spec.output_shape(n)
+        if out is not None and (
+            tuple(out.shape) != shape
+            or out.dtype != self.payload_spec.dtype
+            or out.device.type != self._device_type
+        ):
+            raise AFDPayloadError(
+                "out",
+                (tuple(out.shape), out.dtype, str(out.device)),
+                f"shape {shape}, dtype {self.payload_spec.dtype}, a {self.device.type} tensor",
+            )
+        handle.consume()
+        handle.state = None
+        works = [(w, state.peer) for w in state.send_works]
+        if state.recv_work is not None:
+            works.append((state.recv_work, state.peer))
+        state.send_works = []
+        state.recv_work = None
+        self._wait(works, "recv_ffn_output")
+        result = state.buffer
+        state.buffer = None
+        if result is None:  # zero tokens: nothing was on the wire
+            result = torch.empty(shape, dtype=self.payload_spec.dtype, device=self.device)
+        if out is not None:
+            out.copy_(result)
+            return out
+        return result
+
+    # -- FFN side --------------------------------------------------------------------------
+
+    def _expected_ffn_counts(self, metadata: AFDTransferMetadata) -> None:
+        control = self._control
+        if control is None:
+            return
+        if metadata.stage_idx >= control.num_stages:
+            raise AFDPayloadError(
+                "stage_idx", metadata.stage_idx, f"an int in 0..{control.num_stages - 1}"
+            )
+        announced = control.stage_token_counts[metadata.stage_idx]
+        if metadata.num_tokens != announced:
+            raise AFDPayloadError("num_tokens", metadata.num_tokens, f"{announced} as announced")
+
+    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
+        self._check_ready(AFDRole.FFN, "recv_attn_output")
+        self._check_metadata(metadata, None)
+        self._expected_ffn_counts(metadata)
+        stage = metadata.stage_idx
+        fields = self.payload_spec.fields
+        received: list[dict[str, torch.Tensor]] = []
+        headers: list[torch.Tensor] = []
+        works: list[tuple[Any, int]] = []
+        try:
+            for src, n in zip(self._served, metadata.num_tokens, strict=True):
+                if self.check_sequence:
+                    header = torch.empty(3, dtype=torch.int64, device=self.device)
+                    headers.append(header)
+                    works.append((self._data_pg.recv([header], src, _SEQ_TAG), src))
+                tensors: dict[str, torch.Tensor] = {}
+                for idx, spec in enumerate(fields):
+                    buf = self._buffer((stage, src, idx), spec.shape(n), spec.dtype)
+                    tensors[spec.name] = buf
+                    if n:
+                        works.append(
+                            (self._data_pg.recv([buf], src, _data_tag(stage, idx, True)), src)
+                        )
+                received.append(tensors)
+        except RuntimeError as err:
+            works.clear()
+            self._fail(err, "recv_attn_output", None)
+        self._wait(works, "recv_attn_output")
+        for src, n, header in zip(self._served, metadata.num_tokens, headers, strict=False):
+            got = tuple(int(v) for v in header.tolist())
+            want = (metadata.layer_idx, stage, n)
+            if got != want:
+                self._fail(
+                    AFDProtocolError(
+                        f"sequence check failed: world rank {src} sent (layer, stage, tokens)="
+                        f"{got}, this FFN rank expected {want}"
+                    ),
+                    "recv_attn_output",
+                    src,
+                )
+        return [AFDPayload(**tensors) for tensors in received]
+
+    def send_ffn_output(
+        self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
+    ) -> None:
+        self._check_ready(AFDRole.FFN, "send_ffn_output")
+        self._check_metadata(metadata, None)
+        self._expected_ffn_counts(metadata)
+        spec = self.payload_spec.fields[0]
+        if isinstance(outputs, torch.Tensor):
+            total = metadata.total_tokens
+            if outputs.dim() != 2 or outputs.shape[0] != total:
+                raise AFDPayloadError(
+                    "outputs", tuple(outputs.shape), f"shape {(total, spec.width)} (all peers)"
+                )
+            parts: Sequence[torch.Tensor] = torch.split(outputs, list(metadata.num_tokens))
+        else:
+            parts = list(outputs)
+            if len(parts) != len(self._served):
+                raise AFDPayloadError(
+                    "outputs", len(parts), f"{len(self._served)} tensors (one per served rank)"
+                )
+        for part, n in zip(parts, metadata.num_tokens, strict=True):
+            if not isinstance(part, torch.Tensor):
+                raise AFDPayloadError("outputs", type(part).__name__, "torch.Tensor items")
+            AFDPayloadSpec.validate_tensor(spec, part, n, self._device_type, name="outputs")
+        stage = metadata.stage_idx
+        works: list[tuple[Any, int]] = []
+        try:
+            for part, n, dst in zip(parts, metadata.num_tokens, self._served, strict=True):
+                if n:
+                    works.append(
+                        (
+                            self._data_pg.send(
+                                [part.contiguous()], dst, _data_tag(stage, 0, False)
+                            ),
+                            dst,
+                        )
+                    )
+        except RuntimeError as err:
+            works.clear()
+            self._fail(err, "send_ffn_output", None)
+        self._wait(works, "send_ffn_output")

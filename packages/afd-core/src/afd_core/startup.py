@@ -1,0 +1,169 @@
+"""Startup coordination over a torch.distributed store: ready flags, sticky failures, timeouts.
+
+Key layout (under whatever prefix the store carries)::
+
+    ready/<stage>/<rank>   "1" once <rank> finished <stage>
+    failed/<rank>          "<stage>\\n<reason>", the first failure <rank> published (sticky)
+    failcount/<rank>       counter making the first failure win
+
+Invariants:
+* Every wait is bounded (``timeout_s``) and polls the failure keys of the ranks it waits on: a
+  published failure unblocks every waiter, which raises :class:`AFDStartupError` naming the failed
+  rank, its stage and its reason; an expired wait raises :class:`AFDTimeoutError` naming the
+  stage and the ranks still missing.
+* A failure is sticky: later publications by the same rank do not overwrite the first reason.
+* Publishing a failure never raises (the store may already be gone); it returns whether it
+  reached the store.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from afd_core.errors import AFDConfigError, AFDStartupError, AFDTimeoutError
+
+__all__ = ["StartupCoordinator", "StartupFailure", "open_tcp_store"]
+
+_MASTER_STORES: dict[tuple[str, int], dist.TCPStore] = {}
+
+
+def open_tcp_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    """Open the TCPStore at ``host:port`` (the master also serves it).
+
+    The master's store server is cached per ``(host, port)`` for the life of the process so that
+    a connector can be closed and initialised again without re-binding the port (clients of a
+    new initialisation use a fresh key prefix, see ``P2PConnector``). Clients retry the
+    connection until ``timeout_s`` expires (the master may start later).
+    """
+    timeout = timedelta(seconds=timeout_s)
+    if is_master:
+        cached = _MASTER_STORES.get((host, port))
+        if cached is not None:
+            return cached
+        store = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
+        _MASTER_STORES[(host, port)] = store
+        return store
+    return dist.TCPStore(host, port, None, False, timeout=timeout)
+
+
+def release_store_servers() -> None:
+    """Drop the cached master stores (their servers stop once no connector uses them)."""
+    _MASTER_STORES.clear()
+
+
+@dataclass(frozen=True)
+class StartupFailure:
+    """A failure published by ``rank`` during ``stage``."""
+
+    rank: int
+    stage: str
+    reason: str
+
+
+class StartupCoordinator:
+    """Ready/failure signalling among ``world_size`` ranks sharing ``store``."""
+
+    def __init__(
+        self,
+        store: dist.Store,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        poll_interval_s: float = 0.01,
+    ) -> None:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise AFDConfigError("world_size", world_size, "a positive int")
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+            raise AFDConfigError("rank", rank, f"an int in 0..{world_size - 1}")
+        if not timeout_s > 0:
+            raise AFDConfigError("timeout_s", timeout_s, "a number of seconds > 0")
+        if not poll_interval_s > 0:
+            raise AFDConfigError("poll_interval_s", poll_interval_s, "a number of seconds > 0")
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.timeout_s = float(timeout_s)
+        self.poll_interval_s = float(poll_interval_s)
+
+    # -- publishing ----------------------------------------------------------------------
+
+    def publish_ready(self, stage: str) -> None:
+        """Mark this rank as done with ``stage``."""
+        self.store.set(f"ready/{stage}/{self.rank}", "1")
+
+    def publish_failure(self, stage: str, reason: str) -> bool:
+        """Publish this rank's failure (first one wins); never raises; True if it reached the store."""
+        try:
+            if self.store.add(f"failcount/{self.rank}", 1) == 1:
+                self.store.set(f"failed/{self.rank}", f"{stage}\n{reason}")
+            return True
+        except Exception:
+            return False
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def failure_of(self, rank: int) -> StartupFailure | None:
+        """The failure ``rank`` published, if any (non-blocking)."""
+        key = f"failed/{rank}"
+        if not self.store.check([key]):
+            return None
+        stage, _, reason = self.store.get(key).decode("utf-8", "replace").partition("\n")
+        return StartupFailure(rank, stage, reason)
+
+    def first_failure(self, ranks: Iterable[int] | None = None) -> StartupFailure | None:
+        """The failure of the lowest failed rank among ``ranks`` (default: all but this one)."""
+        candidates = (
+            [r for r in range(self.world_size) if r != self.rank] if ranks is None else ranks
+        )
+        for rank in candidates:
+            failure = self.failure_of(rank)
+            if failure is not None:
+                return failure
+        return None
+
+    def raise_if_failed(self, ranks: Iterable[int] | None = None) -> None:
+        """Raise :class:`AFDStartupError` if any of ``ranks`` published a failure."""
+        failure = self.first_failure(ranks)
+        if failure is not None:
+            raise AFDStartupError(failure.rank, failure.stage, failure.reason)
+
+    # -- waiting ---------------------------------------------------------------------------
+
+    def wait_keys(
+        self, keys: Mapping[int, str], stage: str, timeout_s: float | None = None
+    ) -> None:
+        """Wait until every ``keys[rank]`` exists, failing fast on a failure of any such rank."""
+        timeout = self.timeout_s if timeout_s is None else float(timeout_s)
+        deadline = time.monotonic() + timeout
+        pending = dict(keys)
+        while True:
+            for rank, key in list(pending.items()):
+                if self.store.check([key]):
+                    del pending[rank]
+            if not pending:
+                return
+            self.raise_if_failed([r for r in range(self.world_size) if r != self.rank])
+            if time.monotonic() >= deadline:
+                raise AFDTimeoutError(
+                    f"AFD startup stage {stage!r}: world ranks {sorted(pending)} not ready "
+                    f"after {timeout:g}s"
+                )
+            time.sleep(self.poll_interval_s)
+
+    def wait_ready(
+        self, stage: str, ranks: Iterable[int] | None = None, timeout_s: float | None = None
+    ) -> None:
+        """Wait until ``ranks`` (default: every rank) published ready for ``stage``."""
+        selected = range(self.world_size) if ranks is None else ranks
+        self.wait_keys({r: f"ready/{stage}/{r}" for r in selected}, stage, timeout_s)
+
+    def barrier(self, stage: str, timeout_s: float | None = None) -> None:
+        """Publish ready for ``stage`` and wait for every rank to do the same."""
+        self.publish_ready(stage)
+        self.wait_ready(stage, timeout_s=timeout_s)

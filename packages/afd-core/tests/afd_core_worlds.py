@@ -1,0 +1,458 @@
+"""Rank functions for afd-core's multi-process tests (imported by spawned children by name).
+
+Every function takes ``rank`` (the connector world rank) first and returns picklable results; the
+test asserts on them. Data are generated from seeds both roles know, so each side can check
+exactly what it received with ``torch.equal``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDError
+from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
+from afd_core.p2p import P2PConnector
+from afd_core.topology import AFDTopology
+
+NUM_LAYERS = 2
+NUM_STAGES = 2
+NUM_EXPERTS = 8
+TOP_K = 2
+
+VARIANTS: dict[str, dict[str, Any]] = {
+    "hidden_f32": {"dtype": torch.float32},
+    "hidden_bf16_logits": {
+        "dtype": torch.bfloat16,
+        "router_logits_width": NUM_EXPERTS,
+        "router_logits_dtype": torch.float32,
+    },
+    "hidden_f16_topk": {"dtype": torch.float16, "top_k": TOP_K},
+    "hidden_input_ids": {"dtype": torch.float32, "input_ids": True},
+    "all_fields": {
+        "dtype": torch.bfloat16,
+        "router_logits_width": NUM_EXPERTS,
+        "top_k": TOP_K,
+        "input_ids": True,
+    },
+}
+
+
+def spec_for(variant: str, hidden: int = 16) -> AFDPayloadSpec:
+    return AFDPayloadSpec(hidden_size=hidden, **VARIANTS[variant])
+
+
+def token_counts(seed: int, step: int, num_attention: int, allow_zero: bool) -> list[list[int]]:
+    """counts[stage][attention_rank], uneven in 1..64 (one 0 when ``allow_zero``)."""
+    rng = random.Random(seed * 1000 + step)
+    counts = [[rng.randint(1, 64) for _ in range(num_attention)] for _ in range(NUM_STAGES)]
+    if allow_zero and step == 1:
+        counts[1][num_attention - 1] = 0
+    return counts
+
+
+def make_payload(
+    spec: AFDPayloadSpec, seed: int, step: int, layer: int, stage: int, arank: int, n: int
+) -> AFDPayload:
+    gen = torch.Generator().manual_seed(hash((seed, step, layer, stage, arank)) % (2**31))
+    fields: dict[str, torch.Tensor] = {}
+    for f in spec.fields:
+        shape = f.shape(n)
+        if f.dtype.is_floating_point:
+            t = torch.randn(shape, generator=gen, dtype=torch.float32).to(f.dtype)
+        else:
+            t = torch.randint(0, 1000, shape, generator=gen, dtype=torch.int64).to(f.dtype)
+        fields[f.name] = t
+    return AFDPayload(**fields)
+
+
+def ffn_reply(payload: AFDPayload, layer: int) -> torch.Tensor:
+    # Exact in every float dtype (scaling by a power of two).
+    return payload.hidden_states * (2.0 if layer % 2 == 0 else 0.5)
+
+
+def _config(rank_role: AFDRole, port: int, a: int, f: int, **kw: Any) -> AFDConfig:
+    return AFDConfig(
+        role=rank_role,
+        port=port,
+        num_attention_ranks=a,
+        num_ffn_ranks=f,
+        timeout_s=kw.pop("timeout_s", 20.0),
+        **kw,
+    )
+
+
+def roundtrip_rank(
+    rank: int,
+    port: int,
+    a: int,
+    f: int,
+    variants: list[str],
+    steps: int,
+    seed: int,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Every variant: init, ``steps`` steps of control + layers x stages, exact checks, close."""
+    topo = AFDTopology(a, f)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, a, f, connector_extra_config=extra or {})
+    report: dict[str, Any] = {"role": str(role), "checked": 0, "mismatches": []}
+    for variant in variants:
+        spec = spec_for(variant)
+        conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=NUM_LAYERS)
+        conn.init()
+        assert conn.is_initialized
+        for step in range(steps):
+            counts = token_counts(seed, step, a, allow_zero=a > 1)
+            if role is AFDRole.ATTENTION:
+                mine = tuple((c[role_rank],) for c in counts)
+                # Alternate between announcing own counts and the full table.
+                msg = AFDControlMessage(mine if step % 2 == 0 else tuple(tuple(c) for c in counts))
+                conn.send_control(msg)
+                ptrs: set[int] = set()
+                for layer in range(NUM_LAYERS):
+                    handles = []
+                    sent = []
+                    for stage in range(NUM_STAGES):
+                        n = counts[stage][role_rank]
+                        p = make_payload(spec, seed, step, layer, stage, role_rank, n)
+                        meta = AFDTransferMetadata(layer, stage, (n,))
+                        handles.append(conn.send_attn_output(p, meta))
+                        sent.append(p)
+                    for stage, (h, p) in enumerate(zip(handles, sent, strict=True)):
+                        out = conn.recv_ffn_output(h)
+                        if stage == 0:
+                            ptrs.add(out.data_ptr())
+                        expected = ffn_reply(p, layer)
+                        report["checked"] += 1
+                        if not torch.equal(out, expected):
+                            report["mismatches"].append((variant, step, layer, stage, "reply"))
+                # With reuse_buffers, every layer's stage-0 reply lands in the same buffer.
+                report.setdefault("reply_buffers_per_step", []).append(len(ptrs))
+            else:
+                served = topo.attention_ranks_for(role_rank)
+                ctl = conn.recv_control()
+                want = tuple(tuple(c[r] for r in served) for c in counts)
+                if ctl.stage_token_counts != want:
+                    report["mismatches"].append((variant, step, "control", ctl.stage_token_counts))
+                for layer in range(NUM_LAYERS):
+                    for stage in range(NUM_STAGES):
+                        meta = ctl.transfer_metadata(layer, stage)
+                        payloads = conn.recv_attn_output(meta)
+                        for arank, got in zip(served, payloads, strict=True):
+                            n = counts[stage][arank]
+                            exp = make_payload(spec, seed, step, layer, stage, arank, n)
+                            report["checked"] += 1
+                            if got.present_fields != exp.present_fields:
+                                report["mismatches"].append((variant, step, layer, "fields"))
+                            for name, t in exp.tensors().items():
+                                if not torch.equal(getattr(got, name), t):
+                                    report["mismatches"].append((variant, step, layer, name))
+                        replies = [ffn_reply(p, layer) for p in payloads]
+                        if stage == 0:
+                            conn.send_ffn_output(replies, meta)
+                        else:  # the concatenated form
+                            conn.send_ffn_output(torch.cat(replies), meta)
+        if role is AFDRole.ATTENTION:
+            conn.send_control(AFDControlMessage.shutdown_message())
+        else:
+            report["shutdown"] = conn.recv_control().shutdown
+        conn.close()
+        conn.close()  # idempotent
+        assert not conn.is_initialized
+    return report
+
+
+def _err(err: BaseException) -> dict[str, Any]:
+    return {
+        "type": type(err).__name__,
+        "field": getattr(err, "field", None),
+        "rank": getattr(err, "rank", None),
+        "peer_rank": getattr(err, "peer_rank", None),
+        "msg": str(err),
+    }
+
+
+def handshake_and_validation_rank(rank: int, port: int) -> dict[str, Any]:
+    """1:1 world: three mismatching inits, then a good one with bad-payload checks, close,
+    re-init and one clean round trip."""
+    topo = AFDTopology(1, 1)
+    role, role_rank = topo.role_of(rank)
+    out: dict[str, Any] = {}
+    cfg = _config(role, port, 1, 1, timeout_s=15.0)
+
+    # 1. hidden size differs.
+    spec = AFDPayloadSpec(hidden_size=16 if rank == 0 else 32, dtype=torch.float32)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=2)
+    try:
+        conn.init()
+        out["hidden"] = None
+    except AFDError as err:
+        out["hidden"] = _err(err)
+    out["hidden_initialized"] = conn.is_initialized
+    conn.close()
+
+    # 2. gate placement (config agreement) differs.
+    cfg2 = _config(role, port, 1, 1, timeout_s=15.0, compute_gate_on_attention=rank == 0)
+    spec = AFDPayloadSpec(hidden_size=16, dtype=torch.float32)
+    conn = P2PConnector(cfg2, topo, role_rank, payload_spec=spec, num_layers=2)
+    try:
+        conn.init()
+        out["gate"] = None
+    except AFDError as err:
+        out["gate"] = _err(err)
+    conn.close()
+
+    # 3. payload spec (router logits width) and layer count differ on the FFN side.
+    spec3 = AFDPayloadSpec(
+        hidden_size=16, dtype=torch.float32, router_logits_width=8 if rank == 0 else 4
+    )
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec3, num_layers=2)
+    try:
+        conn.init()
+        out["spec"] = None
+    except AFDError as err:
+        out["spec"] = _err(err)
+    conn.close()
+
+    # 4. agreement; bad payloads are rejected before any byte moves.
+    spec4 = AFDPayloadSpec(hidden_size=16, dtype=torch.float32, router_logits_width=8)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec4, num_layers=2)
+    conn.init()
+    bad: dict[str, Any] = {}
+    h = torch.ones(5, 16)
+    logits = torch.ones(5, 8)
+    if role is AFDRole.ATTENTION:
+        conn.send_control(AFDControlMessage(((5,),)))
+        cases = {
+            "hidden_width": (AFDPayload(torch.ones(5, 15), logits), (5,), 0),
+            "hidden_dtype": (AFDPayload(h.half(), logits), (5,), 0),
+            "rows": (AFDPayload(torch.ones(4, 16), logits), (5,), 0),
+            "logits_missing": (AFDPayload(h), (5,), 0),
+            "logits_dtype": (AFDPayload(h, logits.double()), (5,), 0),
+            "extra_field": (
+                AFDPayload(h, logits, input_ids=torch.ones(5, dtype=torch.long)),
+                (5,),
+                0,
+            ),
+            "not_announced": (AFDPayload(torch.ones(6, 16), torch.ones(6, 8)), (6,), 0),
+            "layer": (AFDPayload(h, logits), (5,), 2),
+            "stage": (AFDPayload(h, logits), (5,), 0),
+        }
+        for name, (payload, counts, layer) in cases.items():
+            stage = 1 if name == "stage" else 0
+            try:
+                conn.send_attn_output(payload, AFDTransferMetadata(layer, stage, counts))
+                bad[name] = None
+            except AFDError as err:
+                bad[name] = _err(err)
+        # The good transfer after all rejections: nothing stray reached the FFN rank.
+        handle = conn.send_attn_output(
+            AFDPayload(h * 3, logits * 4), AFDTransferMetadata(0, 0, (5,))
+        )
+        out["after_bad"] = torch.equal(conn.recv_ffn_output(handle), h * 3 + 1)
+    else:
+        ctl = conn.recv_control()
+        meta = ctl.transfer_metadata(0, 0)
+        for name, outputs in {
+            "out_rows": [torch.ones(4, 16)],
+            "out_dtype": [torch.ones(5, 16, dtype=torch.float64)],
+            "out_count": [h, h],
+        }.items():
+            try:
+                conn.send_ffn_output(outputs, meta)
+                bad[name] = None
+            except AFDError as err:
+                bad[name] = _err(err)
+        try:
+            conn.recv_attn_output(AFDTransferMetadata(0, 0, (7,)))
+            bad["recv_not_announced"] = None
+        except AFDError as err:
+            bad["recv_not_announced"] = _err(err)
+        (payload,) = conn.recv_attn_output(meta)
+        out["after_bad"] = torch.equal(payload.hidden_states, h * 3) and torch.equal(
+            payload.router_logits, logits * 4
+        )
+        conn.send_ffn_output([payload.hidden_states + 1], meta)
+    out["bad"] = bad
+    gen_before = conn.generation
+    conn.close()
+    conn.close()
+    # 5. re-init the same object after close, one more round trip.
+    conn.init()
+    out["generation_advanced"] = conn.generation > gen_before
+    if role is AFDRole.ATTENTION:
+        conn.send_control(AFDControlMessage(((3,),)))
+        handle = conn.send_attn_output(
+            AFDPayload(torch.full((3, 16), 7.0), torch.zeros(3, 8)), AFDTransferMetadata(1, 0, (3,))
+        )
+        out["reinit_ok"] = torch.equal(conn.recv_ffn_output(handle), torch.full((3, 16), 8.0))
+    else:
+        ctl = conn.recv_control()
+        (payload,) = conn.recv_attn_output(ctl.transfer_metadata(1, 0))
+        conn.send_ffn_output(payload.hidden_states + 1, ctl.transfer_metadata(1, 0))
+        out["reinit_ok"] = torch.equal(payload.hidden_states, torch.full((3, 16), 7.0))
+    conn.close()
+
+    # 6. sequence check: the Attention side sends layer 1 where the FFN expects layer 0.
+    cfg6 = _config(
+        role, port, 1, 1, timeout_s=15.0, connector_extra_config={"check_sequence": True}
+    )
+    conn = P2PConnector(cfg6, topo, role_rank, payload_spec=spec, num_layers=2)
+    conn.init()
+    try:
+        if role is AFDRole.ATTENTION:
+            conn.send_control(AFDControlMessage(((2,),)))
+            handle = conn.send_attn_output(
+                AFDPayload(torch.ones(2, 16)), AFDTransferMetadata(1, 0, (2,))
+            )
+            conn.recv_ffn_output(handle)
+        else:
+            ctl = conn.recv_control()
+            conn.recv_attn_output(ctl.transfer_metadata(0, 0))
+        out["sequence"] = None
+    except AFDError as err:
+        out["sequence"] = _err(err)
+    out["sequence_initialized_after"] = conn.is_initialized
+    conn.close()
+    return out
+
+
+def kill_pair_by_proc(proc: int, port_a: int, port_b: int, port_c: int) -> dict[int, Any]:
+    """Two independent 2:1 worlds in four processes (survivors as threads, victims alone).
+
+    World A (results keyed 0-2): the FFN rank (world 2, process 1) is killed while it holds
+    the layer-2 payloads. World B (keyed 3-5): Attention rank 1 (world 1, process 3) is killed
+    between layers.
+    """
+    if proc == 0:
+        return run_threads(kill_rank, [0, 1], port_a, 2, "ffn_step1_layer2")
+    if proc == 1:
+        return {2: ("ok", kill_rank(2, port_a, 2, "ffn_step1_layer2"))}
+    if proc == 2:
+        got = run_threads(kill_rank, [0, 2], port_b, 1, "attn_step0_layer3")
+        return {r + 3: v for r, v in got.items()}
+    if proc == 3:
+        return {4: ("ok", kill_rank(1, port_b, 1, "attn_step0_layer3"))}
+    # World C (keyed 6-7, 1:1): the Attention rank (also the store server) dies between steps
+    # while the FFN rank idles in recv_control(timeout_s=inf).
+    if proc == 4:
+        return {6: ("ok", idle_kill_rank(0, port_c))}
+    return {7: ("ok", idle_kill_rank(1, port_c))}
+
+
+def idle_kill_rank(rank: int, port: int) -> dict[str, Any]:
+    """1:1 world; after one step the Attention rank SIGKILLs itself; the FFN rank waits for the
+    next step with an unbounded ``recv_control`` and must still raise."""
+    topo = AFDTopology(1, 1)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, 1, 1, timeout_s=8.0)
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=1)
+    conn.init()
+    try:
+        for _ in range(2):
+            if role is AFDRole.ATTENTION:
+                conn.send_control(AFDControlMessage(((2,),)))
+                handle = conn.send_attn_output(
+                    AFDPayload(torch.ones(2, 8)), AFDTransferMetadata(0, 0, (2,))
+                )
+                conn.recv_ffn_output(handle)
+                time.sleep(0.5)
+                os.kill(os.getpid(), signal.SIGKILL)
+            else:
+                ctl = conn.recv_control(timeout_s=math.inf)
+                meta = ctl.transfer_metadata(0, 0)
+                (payload,) = conn.recv_attn_output(meta)
+                conn.send_ffn_output([payload.hidden_states], meta)
+    except AFDError as err:
+        result = _err(err)
+        result["initialized_after"] = conn.is_initialized
+        conn.close()
+        return result
+    conn.close()
+    return {"type": None}
+
+
+def kill_rank(rank: int, port: int, victim: int, point: str) -> dict[str, Any]:
+    """2:1 world; ``victim`` SIGKILLs itself at ``point``; survivors report what they raised."""
+    topo = AFDTopology(2, 1)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, 2, 1, timeout_s=8.0)
+    spec = AFDPayloadSpec(hidden_size=64, dtype=torch.float32)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=4)
+    conn.init()
+    started = time.monotonic()
+
+    def die_if(here: str) -> None:
+        if rank == victim and point == here:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    try:
+        for step in range(3):
+            if role is AFDRole.ATTENTION:
+                conn.send_control(AFDControlMessage(((10 + role_rank,),)))
+                for layer in range(4):
+                    die_if(f"attn_step{step}_layer{layer}")
+                    handle = conn.send_attn_output(
+                        AFDPayload(torch.ones(10 + role_rank, 64)),
+                        AFDTransferMetadata(layer, 0, (10 + role_rank,)),
+                    )
+                    conn.recv_ffn_output(handle)
+            else:
+                ctl = conn.recv_control()
+                for layer in range(4):
+                    meta = ctl.transfer_metadata(layer, 0)
+                    payloads = conn.recv_attn_output(meta)
+                    die_if(f"ffn_step{step}_layer{layer}")
+                    conn.send_ffn_output([p.hidden_states for p in payloads], meta)
+    except AFDError as err:
+        result = _err(err)
+        result["initialized_after"] = conn.is_initialized
+        result["elapsed"] = time.monotonic() - started
+        conn.close()
+        return result
+    conn.close()
+    return {"type": None}
+
+
+def run_threads(
+    fn: Callable[..., Any], ranks: Iterable[int], *args: Any, timeout_s: float = 120.0
+) -> dict[int, tuple[Any, ...]]:
+    """Run ``fn(rank, *args)`` for several world ranks as threads of this process.
+
+    Gloo waits release the GIL, so the ranks progress independently; each rank's outcome is
+    reported like :func:`afd_core.testing.run_world` does.
+    """
+    results: dict[int, tuple[Any, ...]] = {}
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = ("ok", fn(rank, *args))
+        except BaseException as err:
+            results[rank] = ("error", f"{type(err).__name__}: {err}", traceback.format_exc())
+
+    threads = {r: threading.Thread(target=target, args=(r,), daemon=True) for r in ranks}
+    for t in threads.values():
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for r, t in threads.items():
+        t.join(max(deadline - time.monotonic(), 0.0))
+        if t.is_alive():
+            results[r] = ("timeout", None)
+    return results
+
+
+def roundtrip_by_role(proc: int, port: int, a: int, f: int, *args: Any) -> dict[int, Any]:
+    """Process 0 hosts the Attention ranks, process 1 the FFN ranks (one thread per rank)."""
+    ranks = range(a) if proc == 0 else range(a, a + f)
+    return run_threads(roundtrip_rank, ranks, port, a, f, *args)

@@ -1,0 +1,281 @@
+"""AFDConfig parsing and validation: every field's invalid values, unknown keys, aliases, hash."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import Any
+
+import pytest
+from afd_core.config import (
+    CONFIG_FIELDS,
+    AFDConfig,
+    AFDConfigError,
+    AFDRole,
+    parse_afd_config,
+)
+
+
+def cfg(**kw: Any) -> AFDConfig:
+    raw: dict[str, Any] = {"role": "attention"}
+    raw.update(kw)
+    return AFDConfig.from_mapping(raw)
+
+
+def test_defaults_and_types() -> None:
+    c = cfg()
+    assert c.role is AFDRole.ATTENTION
+    assert (c.connector, c.host, c.port) == ("p2p", "127.0.0.1", 1239)
+    assert (c.num_attention_ranks, c.num_ffn_ranks) == (1, 1)
+    assert c.compute_gate_on_attention is False
+    assert c.timeout_s == 120.0 and isinstance(c.timeout_s, float)
+    assert dict(c.connector_extra_config) == {}
+    assert c.is_attention and not c.is_ffn
+
+
+def test_full_mapping_and_roundtrip() -> None:
+    raw = {
+        "role": "ffn",
+        "connector": "p2p",
+        "host": "10.0.0.2",
+        "port": 4000,
+        "num_attention_ranks": 5,
+        "num_ffn_ranks": 3,
+        "compute_gate_on_attention": True,
+        "timeout_s": 7,
+        "connector_extra_config": {"check_sequence": True},
+    }
+    c = AFDConfig.from_mapping(raw)
+    assert c.role is AFDRole.FFN and c.is_ffn
+    assert c.to_mapping() == {**raw, "timeout_s": 7.0}
+    assert AFDConfig.from_mapping(c.to_mapping()) == c
+    assert set(c.to_mapping()) == set(CONFIG_FIELDS)
+
+
+def test_config_is_frozen_and_extra_read_only() -> None:
+    c = cfg(connector_extra_config={"check_sequence": False})
+    with pytest.raises(AttributeError):
+        c.port = 5  # type: ignore[misc]
+    assert isinstance(c.connector_extra_config, MappingProxyType)
+    with pytest.raises(TypeError):
+        c.connector_extra_config["check_sequence"] = True  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("role", " FFN ", AFDRole.FFN),
+        ("port", "4001", 4001),
+        ("num_attention_ranks", "+3", 3),
+        ("compute_gate_on_attention", "yes", True),
+        ("compute_gate_on_attention", "Off", False),
+        ("compute_gate_on_attention", "1", True),
+        ("timeout_s", "2.5", 2.5),
+        ("timeout_s", 3, 3.0),
+        ("connector", " p2p ", "p2p"),
+        ("connector", "P2pNcclAFDConnector", "p2p"),
+        ("host", " localhost ", "localhost"),
+    ],
+)
+def test_strict_coercion_accepts(field: str, value: Any, expected: Any) -> None:
+    assert getattr(cfg(**{field: value}), field) == expected
+
+
+INVALID: list[tuple[str, Any]] = [
+    ("role", "decoder"),
+    ("role", 1),
+    ("role", None),
+    ("role", True),
+    ("connector", ""),
+    ("connector", "   "),
+    ("connector", "nccl-magic"),
+    ("connector", 3),
+    ("host", ""),
+    ("host", "a b"),
+    ("host", 127),
+    ("port", 0),
+    ("port", 65536),
+    ("port", -1),
+    ("port", True),
+    ("port", 1239.0),
+    ("port", "12a"),
+    ("port", "1.5"),
+    ("port", None),
+    ("num_attention_ranks", 0),
+    ("num_attention_ranks", False),
+    ("num_attention_ranks", 2.0),
+    ("num_attention_ranks", "two"),
+    ("num_ffn_ranks", 0),
+    ("num_ffn_ranks", True),
+    ("num_ffn_ranks", 1.0),
+    ("num_ffn_ranks", 2),  # > num_attention_ranks (1)
+    ("compute_gate_on_attention", 1),
+    ("compute_gate_on_attention", 0),
+    ("compute_gate_on_attention", "maybe"),
+    ("compute_gate_on_attention", None),
+    ("timeout_s", 0),
+    ("timeout_s", -1.0),
+    ("timeout_s", float("inf")),
+    ("timeout_s", float("nan")),
+    ("timeout_s", True),
+    ("timeout_s", "soon"),
+    ("connector_extra_config", [("check_sequence", True)]),
+    ("connector_extra_config", "check_sequence"),
+    ("connector_extra_config", {1: True}),
+]
+
+
+@pytest.mark.parametrize(("field", "value"), INVALID)
+def test_every_invalid_value_names_field(field: str, value: Any) -> None:
+    with pytest.raises(AFDConfigError) as info:
+        cfg(**{field: value})
+    assert info.value.field == field
+    reported = info.value.value
+    if isinstance(value, float) and value != value:  # NaN
+        assert reported != reported
+    elif isinstance(value, str):
+        assert reported in (value, value.strip())
+    else:
+        assert reported == value
+    assert field in str(info.value)
+    assert "allowed" in str(info.value)
+
+
+def test_ffn_more_than_attention_names_num_ffn_ranks() -> None:
+    with pytest.raises(AFDConfigError) as info:
+        cfg(num_attention_ranks=2, num_ffn_ranks=3)
+    assert info.value.field == "num_ffn_ranks" and info.value.value == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "field"),
+    [
+        ({"check_sequence": 1}, "connector_extra_config.check_sequence"),
+        ({"check_sequence": "true"}, "connector_extra_config.check_sequence"),
+        ({"buffer_mb": 4}, "connector_extra_config.buffer_mb"),
+    ],
+)
+def test_connector_validates_its_extra_config(extra: dict[str, Any], field: str) -> None:
+    with pytest.raises(AFDConfigError) as info:
+        cfg(connector_extra_config=extra)
+    assert info.value.field == field
+
+
+def test_none_extra_config_is_empty() -> None:
+    assert dict(cfg(connector_extra_config=None).connector_extra_config) == {}
+
+
+@pytest.mark.parametrize("key", ["async_dp", "afd_role_rank", "num_attention_servers", "Role", ""])
+def test_unknown_keys_rejected(key: str) -> None:
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping({"role": "ffn", key: 1})
+    assert info.value.field == key
+    assert "connector_extra_config" in str(info.value)
+
+
+def test_non_string_key_rejected() -> None:
+    with pytest.raises(AFDConfigError):
+        AFDConfig.from_mapping({"role": "ffn", 3: 1})
+
+
+def test_missing_role() -> None:
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping({"port": 5})
+    assert info.value.field == "role"
+
+
+@pytest.mark.parametrize(
+    ("alias", "canonical", "value", "expected"),
+    [
+        ("afd_role", "role", "ffn", AFDRole.FFN),
+        ("afd_connector", "connector", "p2p", "p2p"),
+        ("afd_host", "host", "h1", "h1"),
+        ("afd_port", "port", 4321, 4321),
+    ],
+)
+def test_aliases(alias: str, canonical: str, value: Any, expected: Any) -> None:
+    raw: dict[str, Any] = {"role": "attention"}
+    if canonical == "role":
+        raw = {}
+    raw[alias] = value
+    assert getattr(AFDConfig.from_mapping(raw), canonical) == expected
+    # alias together with its canonical key: conflict names the canonical field.
+    both = {"role": "attention", alias: value, canonical: value}
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping(both)
+    assert info.value.field == canonical
+    assert alias in str(info.value)
+
+
+def test_not_a_mapping() -> None:
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping(["role", "ffn"])  # type: ignore[arg-type]
+    assert info.value.field == "afd"
+
+
+def test_direct_construction_does_not_coerce() -> None:
+    assert AFDConfig(role=AFDRole.FFN).role is AFDRole.FFN
+    assert AFDConfig(role="ffn").role is AFDRole.FFN  # type: ignore[arg-type]
+    for kwargs, field in [
+        ({"role": "FFN"}, "role"),
+        ({"role": "ffn", "port": "1239"}, "port"),
+        ({"role": "ffn", "compute_gate_on_attention": "true"}, "compute_gate_on_attention"),
+        ({"role": "ffn", "host": " h"}, "host"),
+        ({"role": "ffn", "timeout_s": "1"}, "timeout_s"),
+    ]:
+        with pytest.raises(AFDConfigError) as info:
+            AFDConfig(**kwargs)
+        assert info.value.field == field
+
+
+def test_parse_afd_config() -> None:
+    assert parse_afd_config(None) is None
+    assert parse_afd_config({}) is None
+    assert parse_afd_config({"other": 1}) is None
+    c = parse_afd_config({"afd": {"role": "ffn", "port": 77}})
+    assert c is not None and c.port == 77 and c.role is AFDRole.FFN
+
+    class FakeVllmConfig:
+        def __init__(self) -> None:
+            self.additional_config = {"afd": {"role": "attention"}}
+
+    from_obj = parse_afd_config(FakeVllmConfig())
+    assert from_obj is not None and from_obj.role is AFDRole.ATTENTION
+    with pytest.raises(AFDConfigError) as info:
+        parse_afd_config(42)
+    assert info.value.field == "additional_config"
+    with pytest.raises(AFDConfigError) as info:
+        parse_afd_config({"afd": "ffn"})
+    assert info.value.field == "afd"
+
+
+def test_agreement_hash_covers_exactly_the_shared_fields() -> None:
+    base = cfg(num_attention_ranks=4, num_ffn_ranks=2)
+    same = [
+        {"role": "ffn"},
+        {"timeout_s": 1.0},
+    ]
+    different = [
+        {"connector_extra_config": {"check_sequence": True}},
+        {"compute_gate_on_attention": True},
+        {"num_attention_ranks": 3},
+        {"num_ffn_ranks": 1},
+        {"port": 1240},
+        {"host": "127.0.0.2"},
+    ]
+    raw = base.to_mapping()
+    for change in same:
+        assert AFDConfig.from_mapping({**raw, **change}).agreement_hash() == base.agreement_hash()
+    hashes = {base.agreement_hash()}
+    for change in different:
+        hashes.add(AFDConfig.from_mapping({**raw, **change}).agreement_hash())
+    assert len(hashes) == len(different) + 1
+    # Stable: a fixed value, independent of process and dict ordering.
+    reordered = AFDConfig.from_mapping(dict(reversed(list(raw.items()))))
+    assert reordered.agreement_hash() == base.agreement_hash()
+    assert len(base.agreement_hash()) == 64
+
+
+def test_config_hashable_and_equal() -> None:
+    assert cfg() == cfg()
+    assert hash(cfg()) == hash(cfg())
+    assert cfg() != cfg(port=2)

@@ -1,0 +1,276 @@
+"""P2PConnector: multi-process round trips (gloo, CPU), handshake, validation, failures, re-init."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from afd_core.config import AFDConfig, AFDConfigError, AFDRole
+from afd_core.errors import (
+    AFDConnectorError,
+    AFDNotInitializedError,
+    AFDPayloadError,
+    AFDTimeoutError,
+)
+from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
+from afd_core.p2p import P2PConnector, backend_for_device
+from afd_core.testing import free_port, run_world
+
+sys.path.insert(0, str(Path(__file__).parent))
+import afd_core_worlds as worlds
+
+
+def ok(results: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
+    """Every rank's returned value; fails with the rank's traceback otherwise."""
+    values = {}
+    for rank, outcome in sorted(results.items()):
+        assert outcome[0] == "ok", f"rank {rank}: {outcome}"
+        values[rank] = outcome[1]
+    return values
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    ("a", "f", "extra"),
+    [
+        (1, 1, None),
+        (2, 1, {"check_sequence": True}),
+        (3, 2, {"reuse_buffers": True}),
+        (4, 2, None),
+    ],
+    ids=["1to1", "2to1", "3to2", "4to2"],
+)
+def test_roundtrip_every_variant_exact(a: int, f: int, extra: dict[str, Any] | None) -> None:
+    variants = list(worlds.VARIANTS)
+    steps = 2
+    # Two processes (Attention ranks, FFN ranks), one thread per connector rank.
+    by_proc = ok(
+        run_world(
+            worlds.roundtrip_by_role,
+            2,
+            free_port(),
+            a,
+            f,
+            variants,
+            steps,
+            a * 10 + f,
+            extra,
+            timeout_s=140,
+        )
+    )
+    results = ok({r: o for proc in by_proc.values() for r, o in proc.items()})
+    assert sorted(results) == list(range(a + f))
+    per_transfer = len(variants) * steps * worlds.NUM_LAYERS * worlds.NUM_STAGES
+    for rank, report in results.items():
+        assert report["mismatches"] == [], (rank, report["mismatches"])
+        if rank < a:
+            assert report["role"] == "attention"
+            assert report["checked"] == per_transfer
+            if extra and extra.get("reuse_buffers"):
+                assert set(report["reply_buffers_per_step"]) == {1}
+        else:
+            served = len(range((rank - a) * a // f, (rank - a + 1) * a // f))
+            assert report["role"] == "ffn"
+            assert report["checked"] == per_transfer * served
+            assert report["shutdown"] is True
+
+
+@pytest.mark.timeout(120)
+def test_handshake_mismatch_validation_and_reinit() -> None:
+    results = ok(run_world(worlds.handshake_and_validation_rank, 2, free_port(), timeout_s=110))
+    for rank, out in results.items():
+        peer = 1 - rank
+        # Mismatches fail on both sides, naming the field and the peer.
+        for key, field in (
+            ("hidden", "hidden_size"),
+            ("gate", "config.compute_gate_on_attention"),
+            ("spec", "payload_spec.router_logits"),
+        ):
+            assert out[key]["type"] == "AFDHandshakeError", (rank, key, out[key])
+            assert out[key]["field"] == field
+            assert out[key]["peer_rank"] == peer
+        assert out["hidden_initialized"] is False
+        # Bad payloads rejected before any byte moved: the next good transfer is intact.
+        assert out["after_bad"] is True
+        for name, err in out["bad"].items():
+            assert err is not None and err["type"] == "AFDPayloadError", (rank, name, err)
+        assert out["generation_advanced"] is True
+        assert out["reinit_ok"] is True
+    attn_bad = results[0]["bad"]
+    assert {k: v["field"] for k, v in attn_bad.items()} == {
+        "hidden_width": "hidden_states",
+        "hidden_dtype": "hidden_states",
+        "rows": "hidden_states",
+        "logits_missing": "router_logits",
+        "logits_dtype": "router_logits",
+        "extra_field": "input_ids",
+        "not_announced": "num_tokens",
+        "layer": "layer_idx",
+        "stage": "stage_idx",
+    }
+    assert {k: v["field"] for k, v in results[1]["bad"].items()} == {
+        "out_rows": "outputs",
+        "out_dtype": "outputs",
+        "out_count": "outputs",
+        "recv_not_announced": "num_tokens",
+    }
+    # Sequence check: the FFN side detects the out-of-order layer; the Attention side is
+    # released with a peer error naming the FFN rank; both connectors are torn down.
+    assert results[1]["sequence"]["type"] == "AFDProtocolError"
+    assert "sequence check failed" in results[1]["sequence"]["msg"]
+    assert results[0]["sequence"]["type"] == "AFDPeerError"
+    assert results[0]["sequence"]["rank"] == 1
+    assert results[0]["sequence_initialized_after"] is False
+    assert results[1]["sequence_initialized_after"] is False
+
+
+@pytest.mark.timeout(120)
+def test_peer_killed_mid_transfer_every_survivor_raises() -> None:
+    by_proc = run_world(
+        worlds.kill_pair_by_proc, 6, free_port(), free_port(), free_port(), timeout_s=110
+    )
+    # Victims: process 1 (world A's FFN rank, key 2) and process 3 (world B's Attention rank 1,
+    # key 4) SIGKILL themselves mid-step; process 4 (world C's Attention rank) between steps.
+    assert by_proc[1] == ("exit", -9), by_proc[1]
+    assert by_proc[3] == ("exit", -9), by_proc[3]
+    survivors = {}
+    for proc in (0, 2):
+        assert by_proc[proc][0] == "ok", by_proc[proc]
+        survivors.update(by_proc[proc][1])
+    assert sorted(survivors) == [0, 1, 3, 5]
+    for key, outcome in survivors.items():
+        assert outcome[0] == "ok", (key, outcome)
+        err = outcome[1]
+        assert err["type"] in ("AFDPeerError", "AFDTimeoutError"), (key, err)
+        assert err["initialized_after"] is False
+    # Direct peers of the dead rank name it (world ranks within each world).
+    assert survivors[0][1]["rank"] == 2 and survivors[1][1]["rank"] == 2
+    assert survivors[5][1]["rank"] == 1  # world B's FFN rank lost Attention world rank 1
+    # World C: the unbounded recv_control of the idle FFN rank fails when its peer dies.
+    assert by_proc[4] == ("exit", -9), by_proc[4]
+    assert by_proc[5][0] == "ok", by_proc[5]
+    idle = by_proc[5][1][7]
+    assert idle[0] == "ok", idle
+    assert idle[1]["type"] == "AFDPeerError" and idle[1]["rank"] == 0, idle
+    assert idle[1]["initialized_after"] is False
+
+
+def spec() -> AFDPayloadSpec:
+    return AFDPayloadSpec(hidden_size=4, dtype=torch.float32)
+
+
+def test_backend_for_device() -> None:
+    assert backend_for_device("cpu") == "gloo"
+    assert backend_for_device(torch.device("cuda", 1)) == "nccl"
+    assert backend_for_device("npu:0") == "hccl"
+    with pytest.raises(AFDConfigError) as info:
+        backend_for_device("meta")
+    assert info.value.field == "device"
+
+
+def test_uninitialized_and_wrong_role_raise_before_io() -> None:
+    attn = P2PConnector(AFDConfig(role=AFDRole.ATTENTION), payload_spec=spec(), num_layers=1)
+    assert not attn.is_initialized
+    meta = AFDTransferMetadata(0, 0, (1,))
+    with pytest.raises(AFDNotInitializedError):
+        attn.send_attn_output(AFDPayload(torch.zeros(1, 4)), meta)
+    with pytest.raises(AFDNotInitializedError):
+        attn.send_control(AFDControlMessage(((1,),)))
+    ffn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=1)
+    with pytest.raises(AFDNotInitializedError):
+        ffn.recv_attn_output(meta)
+    with pytest.raises(AFDNotInitializedError):
+        ffn.recv_control()
+    assert ffn.served_world_ranks == (0,)
+    assert ffn.world_rank == 1 and attn.world_rank == 0
+    attn.close()  # never initialised: still fine
+    assert not attn.is_initialized
+
+
+@pytest.mark.timeout(60)
+def test_init_times_out_without_peers_and_close_is_safe() -> None:
+    port = free_port()
+    cfg = AFDConfig(role=AFDRole.ATTENTION, port=port, timeout_s=0.5)
+    conn = P2PConnector(cfg, payload_spec=spec(), num_layers=1)
+    with pytest.raises(AFDTimeoutError, match="handshake"):
+        conn.init()
+    assert not conn.is_initialized
+    conn.close()
+    conn.close()
+    # A second init (new generation) fails the same way: nothing stale blocks or leaks.
+    with pytest.raises(AFDTimeoutError):
+        conn.init()
+    assert conn.generation == 2
+
+
+@pytest.mark.timeout(60)
+def test_client_without_store_server_times_out_in_connect() -> None:
+    cfg = AFDConfig(role=AFDRole.FFN, port=free_port(), timeout_s=0.5)
+    conn = P2PConnector(cfg, payload_spec=spec(), num_layers=1)
+    with pytest.raises(AFDTimeoutError, match="'connect'"):
+        conn.init()
+    assert not conn.is_initialized
+    conn.close()
+
+
+def test_p2p_extra_config() -> None:
+    c = AFDConfig.from_mapping({"role": "ffn", "connector_extra_config": {"check_sequence": True}})
+    conn = P2PConnector(c, payload_spec=spec(), num_layers=2)
+    assert conn.check_sequence is True
+    assert conn.reuse_buffers is False
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping({"role": "ffn", "connector_extra_config": {"check_seq": True}})
+    assert info.value.field == "connector_extra_config.check_seq"
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping({"role": "ffn", "connector_extra_config": {"reuse_buffers": "y"}})
+    assert info.value.field == "connector_extra_config.reuse_buffers"
+
+
+def test_handshake_fields_cover_contract() -> None:
+    conn = P2PConnector(
+        AFDConfig(role=AFDRole.FFN, num_attention_ranks=3, num_ffn_ranks=2),
+        role_rank=1,
+        payload_spec=AFDPayloadSpec(hidden_size=8, dtype=torch.bfloat16, top_k=2),
+        num_layers=5,
+    )
+    fields = conn.handshake_fields()
+    assert fields["hidden_size"] == 8 and fields["dtype"] == "bfloat16"
+    assert fields["num_layers"] == 5 and fields["topology"] == [3, 2]
+    assert fields["protocol_version"] == 1
+    assert fields["config_hash"] == conn.config.agreement_hash()
+    assert set(fields["payload_spec"]) == {"hidden_states", "topk_ids", "topk_weights"}
+    assert conn.served_world_ranks == (1, 2)
+    assert conn.world_rank == 4 and conn.topology.world_size == 5
+
+
+def test_recv_control_rejects_bad_timeout() -> None:
+    conn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=1)
+    conn._initialized = True  # only the argument check runs before any I/O
+    try:
+        for bad in (0, -1.0, True, "1"):
+            with pytest.raises((AFDConfigError, AFDConnectorError)):
+                conn.recv_control(timeout_s=bad)  # type: ignore[arg-type]
+    finally:
+        conn._initialized = False
+
+
+def test_send_control_validates_before_io() -> None:
+    conn = P2PConnector(
+        AFDConfig(role=AFDRole.ATTENTION, num_attention_ranks=3), payload_spec=spec(), num_layers=1
+    )
+    conn._initialized = True  # validation happens before the (absent) group is touched
+    try:
+        with pytest.raises(AFDPayloadError) as info:
+            conn.send_control(AFDControlMessage(((1, 2),)))
+        assert info.value.field == "stage_token_counts"
+        with pytest.raises(AFDPayloadError) as info:
+            conn.send_control(AFDControlMessage(tuple((1,) for _ in range(60))))
+        assert info.value.field == "stage_token_counts"
+        with pytest.raises(AFDPayloadError) as info:
+            conn.send_control("go")  # type: ignore[arg-type]
+        assert info.value.field == "message"
+    finally:
+        conn._initialized = False

@@ -1,0 +1,102 @@
+"""StartupCoordinator on an in-process store: ready, sticky failures, timeouts, unblocking."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+from afd_core.errors import AFDConfigError, AFDStartupError, AFDTimeoutError
+from afd_core.startup import StartupCoordinator
+
+
+def coords(n: int, timeout_s: float = 5.0) -> list[StartupCoordinator]:
+    store = dist.HashStore()
+    return [StartupCoordinator(store, rank=r, world_size=n, timeout_s=timeout_s) for r in range(n)]
+
+
+def test_barrier_all_ready() -> None:
+    cs = coords(3)
+    errors: list[BaseException] = []
+
+    def run(c: StartupCoordinator) -> None:
+        try:
+            c.barrier("load")
+        except BaseException as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(c,)) for c in cs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert errors == [] and not any(t.is_alive() for t in threads)
+
+
+def test_failure_unblocks_waiters_with_rank_stage_reason() -> None:
+    cs = coords(3, timeout_s=30.0)
+    raised: dict[int, BaseException] = {}
+
+    def wait(c: StartupCoordinator) -> None:
+        try:
+            c.barrier("weights")
+        except BaseException as err:
+            raised[c.rank] = err
+
+    threads = [threading.Thread(target=wait, args=(c,)) for c in cs[:2]]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)
+    assert cs[2].publish_failure("weights", "checkpoint shard missing")
+    for t in threads:
+        t.join(10)
+    assert set(raised) == {0, 1}
+    for err in raised.values():
+        assert isinstance(err, AFDStartupError)
+        assert (err.rank, err.stage, err.reason) == (2, "weights", "checkpoint shard missing")
+        assert "rank 2" in str(err) and "weights" in str(err)
+
+
+def test_failure_is_sticky() -> None:
+    c0, c1 = coords(2)
+    c1.publish_failure("first", "root cause")
+    c1.publish_failure("second", "consequence")
+    failure = c0.failure_of(1)
+    assert failure is not None and (failure.stage, failure.reason) == ("first", "root cause")
+    assert c0.first_failure() == failure
+    assert c0.failure_of(0) is None
+    with pytest.raises(AFDStartupError):
+        c0.raise_if_failed()
+
+
+def test_timeout_names_stage_and_missing_ranks() -> None:
+    c0, _c1, _c2 = coords(3, timeout_s=0.2)
+    c0.publish_ready("ready")
+    with pytest.raises(AFDTimeoutError, match=r"'ready'.*\[1, 2\]"):
+        c0.wait_ready("ready")
+
+
+def test_publish_failure_never_raises() -> None:
+    class Broken:
+        def add(self, key: str, value: int) -> int:
+            raise RuntimeError("store gone")
+
+    c = StartupCoordinator(Broken(), rank=0, world_size=1, timeout_s=1.0)  # type: ignore[arg-type]
+    assert c.publish_failure("x", "y") is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rank": 2, "world_size": 2}, "rank"),
+        ({"rank": 0, "world_size": 0}, "world_size"),
+        ({"rank": 0, "world_size": 1, "timeout_s": 0}, "timeout_s"),
+        ({"rank": 0, "world_size": 1, "poll_interval_s": 0}, "poll_interval_s"),
+    ],
+)
+def test_invalid_arguments(kwargs: dict[str, float], field: str) -> None:
+    args = {"timeout_s": 1.0, **kwargs}
+    with pytest.raises(AFDConfigError) as info:
+        StartupCoordinator(dist.HashStore(), **args)  # type: ignore[arg-type]
+    assert info.value.field == field
