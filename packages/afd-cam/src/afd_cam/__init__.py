@@ -1,5 +1,45 @@
-"""CAM model-side TP/SP layout, padding, output restoration and the DBO receive handoff."""
+"""CAM model-side TP/SP layout, padding, output restoration and the DBO receive handoff.
+
+Submodules (importing this package imports none of vLLM):
+
+* :mod:`afd_cam.layout` -- :class:`CAMStage`, :class:`CAMStageLayout` (stage split of a parent
+  batch on one TP rank, TP or SP layout).
+* :mod:`afd_cam.stages` -- :func:`prepare_stage_inputs`, :func:`restore_stage_outputs`,
+  :func:`split_replicated` (layout conversion, padding, restoration).
+* :mod:`afd_cam.handoff` -- :class:`ReceiveHandoff`, :func:`run_staged_pipeline`,
+  :func:`pipeline_order` (when each dispatched stage is received).
+* :mod:`afd_cam.gather` -- the TP row all-gather (:func:`torch_row_gather`).
+"""
 
 from importlib.metadata import version as _version
 
+from afd_cam.errors import AFDCamError, AFDCamHandoffError
+from afd_cam.gather import RowGather, torch_row_gather
+from afd_cam.handoff import PipelineStep, ReceiveHandoff, pipeline_order, run_staged_pipeline
+from afd_cam.layout import CAMStage, CAMStageLayout
+from afd_cam.stages import (
+    CAMStageInputs,
+    prepare_stage_inputs,
+    restore_stage_outputs,
+    split_replicated,
+)
+
 __version__ = _version("afd-cam")
+
+__all__ = [
+    "AFDCamError",
+    "AFDCamHandoffError",
+    "CAMStage",
+    "CAMStageInputs",
+    "CAMStageLayout",
+    "PipelineStep",
+    "ReceiveHandoff",
+    "RowGather",
+    "__version__",
+    "pipeline_order",
+    "prepare_stage_inputs",
+    "restore_stage_outputs",
+    "run_staged_pipeline",
+    "split_replicated",
+    "torch_row_gather",
+]

@@ -1,5 +1,47 @@
-"""Attention-side remote FFN proxy, AFDAttentionFusedMoE and routed TP padding."""
+"""Attention-side remote FFN proxy, AFDAttentionFusedMoE and routed TP padding.
+
+Importing this package imports none of vLLM; connectors are taken from the AFD forward metadata
+(``afd_core.forward_context``), never imported.
+
+* :class:`RemoteFFNProxy` -- parameter-free FFN stand-in: send -> DBO yield -> receive, plus the
+  :meth:`~RemoteFFNProxy.dispatch` / :meth:`~RemoteFFNProxy.receive` split.
+* :class:`AFDAttentionFusedMoE` -- MoE experts stand-in for both gate placements.
+* :class:`RoutedTPPadding` and the pure functions of :mod:`afd_remote.routed_padding` -- each
+  replicated token is dispatched by exactly one TP rank and the output is all-gathered back.
+"""
 
 from importlib.metadata import version as _version
 
+from afd_remote.errors import AFDRemoteError, UnsupportedPayloadFieldError
+from afd_remote.fused_moe import AFDAttentionFusedMoE
+from afd_remote.proxy import RemoteFFNProxy, RemoteFFNTransfer
+from afd_remote.routed_padding import (
+    RoutedDispatchLayout,
+    RoutedTPPadding,
+    RowGather,
+    plan_routed_dispatch,
+    restore_dispatched_output,
+    slice_for_dispatch,
+    torch_row_gather,
+)
+from afd_remote.routing import RoutingFunction, softmax_topk
+
 __version__ = _version("afd-remote")
+
+__all__ = [
+    "AFDAttentionFusedMoE",
+    "AFDRemoteError",
+    "RemoteFFNProxy",
+    "RemoteFFNTransfer",
+    "RoutedDispatchLayout",
+    "RoutedTPPadding",
+    "RoutingFunction",
+    "RowGather",
+    "UnsupportedPayloadFieldError",
+    "__version__",
+    "plan_routed_dispatch",
+    "restore_dispatched_output",
+    "slice_for_dispatch",
+    "softmax_topk",
+    "torch_row_gather",
+]

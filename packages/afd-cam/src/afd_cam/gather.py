@@ -1,0 +1,29 @@
+"""The TP row all-gather used by the CAM layout conversions.
+
+Layout functions take a :data:`RowGather` callable instead of a process group so they can be
+tested without ``torch.distributed``; :func:`torch_row_gather` binds one to a real group (gloo in
+tests, vLLM's ``get_tp_group().device_group`` at runtime; this package never imports vLLM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+RowGather = Callable[[torch.Tensor], torch.Tensor]
+"""All-gathers equal-shaped tensors along dim 0 across the TP group, concatenated in rank order."""
+
+
+def torch_row_gather(group: dist.ProcessGroup | None) -> RowGather:
+    """Return a :data:`RowGather` over ``group`` (None = the default world group)."""
+
+    def gather(local: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size(group)
+        local = local.contiguous()
+        out = local.new_empty((local.shape[0] * world, *local.shape[1:]))
+        dist.all_gather_single(out, local, group=group)
+        return out
+
+    return gather

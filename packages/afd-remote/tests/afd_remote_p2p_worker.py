@@ -1,0 +1,144 @@
+"""Worker for the end-to-end test against afd-core's real P2PConnector (not a test module).
+
+World: ``A`` Attention ranks then ``F`` FFN ranks. Attention ranks drive the afd_remote proxies
+(the full forward and the two-stage dispatch/receive split); FFN ranks run the service loop by
+hand: receive control, then per layer and stage receive every served payload, check it, reply
+``hidden * 2 + layer``. Each rank returns a report of plain Python values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
+from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
+from afd_core.p2p import P2PConnector
+from afd_core.topology import AFDTopology
+from afd_remote import AFDAttentionFusedMoE, RemoteFFNTransfer, softmax_topk
+
+HIDDEN = 8
+EXPERTS = 6
+TOP_K = 2
+LAYERS = 2
+STAGES = 2
+
+# variant -> (gate on attention, spec kwargs, use the dispatch/receive split)
+VARIANTS: dict[str, tuple[bool, dict[str, Any], bool]] = {
+    "gate_on_ffn_forward": (False, {}, False),
+    "router_logits_forward": (True, {"router_logits_width": EXPERTS}, False),
+    "topk_split": (True, {"top_k": TOP_K}, True),
+}
+
+
+def counts(arank: int) -> tuple[int, int]:
+    """Tokens per stage of Attention rank ``arank`` (rank 1's second stage is empty)."""
+    return (5 + arank, 0 if arank == 1 else 3)
+
+
+def hidden_input(arank: int, stage: int) -> torch.Tensor:
+    n = counts(arank)[stage]
+    return torch.arange(n * HIDDEN, dtype=torch.float32).view(n, HIDDEN) + 100 * arank + stage
+
+
+def logits_for(arank: int, layer: int, stage: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(arank * 100 + layer * 10 + stage)
+    return torch.randn(counts(arank)[stage], EXPERTS, generator=gen)
+
+
+def _attention(conn: P2PConnector, arank: int, gate: bool, split: bool) -> list[str]:
+    problems: list[str] = []
+    layers = [
+        AFDAttentionFusedMoE(layer, gate_on_attention=gate, top_k=TOP_K) for layer in range(LAYERS)
+    ]
+    conn.send_control(AFDControlMessage(tuple((c,) for c in counts(arank))))
+    x = {s: hidden_input(arank, s) for s in range(STAGES)}
+    expected = dict(x)
+    for layer in range(LAYERS):
+        for s in range(STAGES):
+            expected[s] = expected[s] * 2 + layer
+
+    def call_args(layer: int, stage: int) -> dict[str, torch.Tensor]:
+        return {"router_logits": logits_for(arank, layer, stage)} if gate else {}
+
+    if not split:
+        for layer, moe in enumerate(layers):
+            for s in range(STAGES):
+                meta = AFDForwardMetadata(connector=conn, stage_idx=s, num_stages=STAGES)
+                with set_afd_forward_metadata(meta):
+                    x[s] = moe(x[s], **call_args(layer, s))
+    else:
+        pending: dict[int, RemoteFFNTransfer] = {}
+        for layer, moe in enumerate(layers):
+            for s in range(STAGES):
+                meta = AFDForwardMetadata(connector=conn, stage_idx=s, num_stages=STAGES)
+                with set_afd_forward_metadata(meta):
+                    other = 1 - s
+                    if other in pending:
+                        x[other] = moe.receive(pending.pop(other))
+                    pending[s] = moe.dispatch_experts(x[s], **call_args(layer, s))
+        for s, transfer in pending.items():
+            x[s] = layers[-1].receive(transfer)
+    for s in range(STAGES):
+        if not torch.equal(x[s], expected[s]):
+            problems.append(f"attention {arank} stage {s}: output differs")
+    conn.send_control(AFDControlMessage.shutdown_message())
+    return problems
+
+
+def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int, variant: str) -> list[str]:
+    problems: list[str] = []
+    served = topo.attention_ranks_for(ffn_rank)
+    ctl = conn.recv_control()
+    if ctl.stage_token_counts != tuple(tuple(counts(a)[s] for a in served) for s in range(STAGES)):
+        problems.append(f"control counts {ctl.stage_token_counts}")
+    for layer in range(LAYERS):
+        for s in range(STAGES):
+            meta = ctl.transfer_metadata(layer, s)
+            payloads = conn.recv_attn_output(meta)
+            for arank, payload in zip(served, payloads, strict=True):
+                logits = logits_for(arank, layer, s)
+                if variant == "router_logits_forward" and not torch.equal(
+                    payload.router_logits, logits
+                ):
+                    problems.append(f"router_logits a{arank} l{layer} s{s}")
+                if variant == "topk_split":
+                    weights, ids = softmax_topk(logits, TOP_K, True)
+                    if not (
+                        torch.equal(payload.topk_ids, ids)
+                        and torch.equal(payload.topk_weights, weights)
+                    ):
+                        problems.append(f"topk a{arank} l{layer} s{s}")
+            conn.send_ffn_output([p.hidden_states * 2 + layer for p in payloads], meta)
+    if not conn.recv_control().shutdown:
+        problems.append("no shutdown message")
+    return problems
+
+
+def run(rank: int, port: int, a: int, f: int) -> dict[str, Any]:
+    topo = AFDTopology(a, f)
+    role, role_rank = topo.role_of(rank)
+    report: dict[str, Any] = {"role": str(role), "problems": [], "variants": 0}
+    for variant, (gate, spec_kwargs, split) in VARIANTS.items():
+        cfg = AFDConfig(
+            role=role,
+            port=port,
+            num_attention_ranks=a,
+            num_ffn_ranks=f,
+            compute_gate_on_attention=gate,
+            timeout_s=60.0,
+        )
+        spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32, **spec_kwargs)
+        conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=LAYERS)
+        conn.init()
+        try:
+            if role is AFDRole.ATTENTION:
+                problems = _attention(conn, role_rank, gate, split)
+            else:
+                problems = _ffn(conn, topo, role_rank, variant)
+        finally:
+            conn.close()
+        report["problems"].extend(f"{variant}: {p}" for p in problems)
+        report["variants"] += 1
+    return report
