@@ -1,12 +1,37 @@
 """vLLM ``general_plugins`` entry point for AFD.
 
-vLLM calls :func:`register` in every process it starts, possibly more than once, so it must be
-re-entrant and cheap. It never imports vLLM at module import time.
+vLLM calls :func:`register` in every process it starts (API server, engine core, workers),
+possibly more than once, so it is re-entrant and cheap. It never imports vLLM at module import
+time. What it does (once per process):
+
+1. refuses a vLLM outside 0.32.x (:class:`afd_runtime.vllm_compat.UnsupportedVLLMError`);
+2. installs the runtime's vLLM patches (:mod:`afd_runtime.patches`: AFD worker selection, FFN
+   engine loop); both are no-ops without ``additional_config["afd"]``;
+3. registers the AFD model classes under the upstream architecture names
+   (:data:`MODEL_REGISTRATIONS`). Without ``additional_config["afd"]`` those classes construct
+   exactly the upstream model.
+
+Without vLLM installed it does nothing.
 """
 
 from __future__ import annotations
 
+import importlib.util
+from typing import Final
+
+#: Upstream architecture name -> AFD class (``module:Class``), registered with vLLM.
+MODEL_REGISTRATIONS: Final[dict[str, str]] = {
+    "Qwen3MoeForCausalLM": "afd_models.models.qwen3_moe:AFDQwen3MoeForCausalLM",
+    "DeepseekV2ForCausalLM": "afd_models.models.deepseek_v2:AFDDeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "afd_models.models.deepseek_v2:AFDDeepseekV3ForCausalLM",
+}
+
 _registered = False
+
+
+def is_registered() -> bool:
+    """True once :func:`register` completed in this process."""
+    return _registered
 
 
 def register() -> None:
@@ -14,4 +39,13 @@ def register() -> None:
     global _registered
     if _registered:
         return
+    if importlib.util.find_spec("vllm") is None:
+        _registered = True
+        return
+    from afd_runtime.patches import apply_vllm_patches
+    from vllm import ModelRegistry
+
+    apply_vllm_patches()
+    for arch, target in MODEL_REGISTRATIONS.items():
+        ModelRegistry.register_model(arch, target)
     _registered = True

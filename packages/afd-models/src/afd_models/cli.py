@@ -1,0 +1,163 @@
+"""The ``afd`` console script.
+
+Subcommands:
+
+* ``afd demo`` — serve a model with plain vLLM and with the AFD roles, compare greedy outputs
+  token for token and print parity, tokens/s, weight bytes and RSS per role. Exit status 0 when
+  every prompt is identical, 1 on any mismatch, 2 on a usage error, 3 when a server fails.
+* ``afd tiny`` — build (or find in the cache) a tiny checkpoint and print its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Final
+
+from afd_models.demo import DemoConfig, render_report, run_demo
+from afd_models.serving import CompletionError, EngineOptions, ServerError
+from afd_models.tiny import DEMO_PROMPTS, FAMILIES, TinySpec, ensure_tiny_checkpoint
+
+EXIT_OK: Final[int] = 0
+EXIT_MISMATCH: Final[int] = 1
+EXIT_USAGE: Final[int] = 2
+EXIT_SERVER_ERROR: Final[int] = 3
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="afd", description="Attention-FFN Disaggregation tools")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser(
+        "demo",
+        help="compare AFD serving with plain vLLM on a model",
+        description="Serve a model with plain vLLM and with the AFD Attention/FFN roles, send "
+        "greedy prompts and compare outputs token for token.",
+    )
+    demo.add_argument(
+        "--model", type=Path, default=None, help="checkpoint directory (default: tiny model)"
+    )
+    demo.add_argument("--family", choices=FAMILIES, default="qwen3_moe", help="tiny model family")
+    demo.add_argument("--seed", type=int, default=0, help="tiny model weight seed")
+    demo.add_argument(
+        "--attention-ranks", type=int, default=1, help="Attention ranks (data parallel)"
+    )
+    demo.add_argument(
+        "--gate",
+        choices=("attention", "ffn"),
+        default="ffn",
+        help="where the MoE router gate runs (DeepSeek supports both)",
+    )
+    demo.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt")
+    demo.add_argument("--concurrency", type=int, default=3, help="requests in flight")
+    demo.add_argument(
+        "--prompt", action="append", default=None, help="a prompt (repeatable; default: built-in)"
+    )
+    demo.add_argument("--log-dir", type=Path, default=Path("afd-demo-logs"))
+    demo.add_argument("--cache-dir", type=Path, default=None, help="tiny checkpoint cache")
+    demo.add_argument(
+        "--dtype",
+        default=None,
+        help="engine dtype (default: float32 for the tiny model, the checkpoint's for --model)",
+    )
+    demo.add_argument(
+        "--no-enforce-eager", action="store_true", help="let vLLM compile (slower start)"
+    )
+    demo.add_argument("--max-model-len", type=int, default=512)
+    demo.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="engine batch limit (default: vLLM's; 1 for DeepSeek on CPU, see README)",
+    )
+    demo.add_argument("--startup-timeout", type=float, default=900.0, help="seconds per engine")
+
+    tiny = sub.add_parser("tiny", help="build a tiny checkpoint and print its directory")
+    tiny.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--cache-dir", type=Path, default=None)
+    return parser
+
+
+def _positive(parser: argparse.ArgumentParser, flag: str, value: float) -> None:
+    if value <= 0:
+        parser.error(f"{flag}={value!r} must be > 0")
+
+
+def parse_demo_config(argv: Sequence[str]) -> DemoConfig:
+    """Parse ``afd demo ...`` arguments (without the ``demo`` word) into a :class:`DemoConfig`.
+
+    Usage errors exit with status 2 (argparse) naming the flag and the bad value.
+    """
+    parser = build_parser()
+    return demo_config_from_namespace(parser, parser.parse_args(["demo", *argv]))
+
+
+def demo_config_from_namespace(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace
+) -> DemoConfig:
+    """Validate parsed ``demo`` arguments; errors go through ``parser.error`` (exit status 2)."""
+    for flag, value in (
+        ("--attention-ranks", ns.attention_ranks),
+        ("--max-tokens", ns.max_tokens),
+        ("--concurrency", ns.concurrency),
+        ("--max-model-len", ns.max_model_len),
+        ("--startup-timeout", ns.startup_timeout),
+    ):
+        _positive(parser, flag, value)
+    if ns.max_num_seqs is not None:
+        _positive(parser, "--max-num-seqs", ns.max_num_seqs)
+    if ns.seed < 0:
+        parser.error(f"--seed={ns.seed!r} must be >= 0")
+    if ns.model is not None and not ns.model.exists():
+        parser.error(f"--model={str(ns.model)!r} does not exist")
+    if ns.gate == "attention" and ns.model is None and ns.family == "qwen3_moe":
+        parser.error("--gate=attention is only supported for --family deepseek_v2")
+    dtype = ns.dtype if ns.dtype is not None else ("float32" if ns.model is None else None)
+    options = EngineOptions(
+        dtype=dtype,
+        enforce_eager=not ns.no_enforce_eager,
+        max_model_len=ns.max_model_len,
+        max_num_seqs=ns.max_num_seqs,
+        startup_timeout_s=ns.startup_timeout,
+    )
+    return DemoConfig(
+        model=ns.model,
+        family=ns.family,
+        seed=ns.seed,
+        num_attention_ranks=ns.attention_ranks,
+        gate_on_attention=ns.gate == "attention",
+        prompts=tuple(ns.prompt) if ns.prompt else DEMO_PROMPTS,
+        max_tokens=ns.max_tokens,
+        concurrency=ns.concurrency,
+        log_dir=ns.log_dir,
+        cache_dir=ns.cache_dir,
+        options=options,
+    )
+
+
+def _demo(cfg: DemoConfig) -> int:
+    try:
+        report = run_demo(cfg, progress=lambda msg: print(msg, flush=True))
+    except (ServerError, CompletionError) as e:
+        print(f"afd demo: server failure: {e}", file=sys.stderr, flush=True)
+        return EXIT_SERVER_ERROR
+    print(render_report(report), flush=True)
+    return EXIT_OK if report.ok else EXIT_MISMATCH
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``afd`` console script; returns the exit status."""
+    parser = build_parser()
+    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if ns.command == "demo":
+        return _demo(demo_config_from_namespace(parser, ns))
+    path = ensure_tiny_checkpoint(TinySpec(family=ns.family, seed=ns.seed), ns.cache_dir)
+    print(path)
+    return EXIT_OK
+
+
+if __name__ == "__main__":
+    sys.exit(main())

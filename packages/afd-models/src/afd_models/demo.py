@@ -1,0 +1,224 @@
+"""``afd demo``: serve one model with plain vLLM and with the AFD roles, compare, report.
+
+Flow: build (or reuse) the tiny checkpoint unless a model path is given; run plain ``vllm serve``,
+send the prompts (concurrently), record tokens/s and RSS, stop it; start the FFN and Attention
+roles, send the same prompts to the Attention role, record tokens/s, RSS per role process tree and
+the parameter bytes each role reports (``AFD role=<role> param_bytes=<n>`` log lines), stop both
+(Attention first). The report holds per-prompt parity; the demo fails when any prompt differs.
+At most two engines run at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from afd_models.serving import (
+    BatchResult,
+    EngineOptions,
+    ParityResult,
+    Progress,
+    VLLMServer,
+    afd_servers,
+    compare_parity,
+    complete_many,
+    parity_options,
+    parse_param_bytes,
+    plain_server,
+    process_tree_rss,
+    stop_all,
+    wait_until_healthy,
+)
+from afd_models.tiny import DEMO_PROMPTS, TinyFamily, TinySpec, ensure_tiny_checkpoint
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    """What ``afd demo`` runs. ``model=None`` means the embedded tiny checkpoint of ``family``."""
+
+    model: Path | None = None
+    family: TinyFamily = "qwen3_moe"
+    seed: int = 0
+    num_attention_ranks: int = 1
+    gate_on_attention: bool = False
+    prompts: tuple[str, ...] = DEMO_PROMPTS
+    max_tokens: int = 16
+    concurrency: int = 3
+    log_dir: Path = Path("afd-demo-logs")
+    cache_dir: Path | None = None
+    options: EngineOptions = field(default_factory=EngineOptions)
+
+    def __post_init__(self) -> None:
+        if self.num_attention_ranks < 1:
+            raise ValueError(
+                f"DemoConfig.num_attention_ranks={self.num_attention_ranks!r} must be >= 1"
+            )
+        if self.max_tokens < 1:
+            raise ValueError(f"DemoConfig.max_tokens={self.max_tokens!r} must be >= 1")
+        if self.concurrency < 1:
+            raise ValueError(f"DemoConfig.concurrency={self.concurrency!r} must be >= 1")
+        if not self.prompts:
+            raise ValueError("DemoConfig.prompts must hold at least one prompt")
+
+
+@dataclass(frozen=True)
+class ServerStats:
+    """Measurements of one server (or role): throughput, memory and reported weight bytes."""
+
+    name: str
+    role: str
+    tokens_per_s: float | None
+    rss_bytes: int | None
+    param_bytes: tuple[int, ...] | None
+
+
+@dataclass(frozen=True)
+class DemoReport:
+    """Everything ``afd demo`` prints; ``ok`` is parity on every prompt."""
+
+    model: str
+    topology: str
+    parity: ParityResult
+    servers: tuple[ServerStats, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.parity.ok
+
+
+def _fmt_bytes(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if value < 1024 or unit == "GiB":
+            return f"{value:.1f} {unit}" if unit != "B" else f"{n} B"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _fmt_param_bytes(values: tuple[int, ...] | None) -> str:
+    if not values:
+        return "n/a"
+    return " / ".join(_fmt_bytes(v) for v in values)
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [
+        max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)
+    ]
+
+    def line(cells: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)) + " |"
+
+    return [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
+
+
+def render_report(report: DemoReport) -> str:
+    """A plain-text report: one parity table (per prompt) and one table per server."""
+    out = [f"model: {report.model}", f"topology: {report.topology}", ""]
+    rows = []
+    for p in report.parity.prompts:
+        rows.append(
+            [
+                repr(p.prompt)[:40],
+                str(len(p.expected)),
+                "identical" if p.ok else "MISMATCH",
+                "-" if p.mismatch_index is None else str(p.mismatch_index),
+            ]
+        )
+    out += _table(["prompt", "tokens", "parity", "first mismatch"], rows)
+    out.append("")
+    srows = [
+        [
+            s.name,
+            s.role,
+            "-" if s.tokens_per_s is None else f"{s.tokens_per_s:.1f}",
+            _fmt_param_bytes(s.param_bytes),
+            _fmt_bytes(s.rss_bytes),
+        ]
+        for s in report.servers
+    ]
+    out += _table(["server", "role", "tokens/s", "weight bytes (per rank)", "RSS (tree)"], srows)
+    out.append("")
+    n_bad = len(report.parity.mismatches)
+    out.append(
+        "PASS: all prompts identical"
+        if report.ok
+        else f"FAIL: {n_bad} of {len(report.parity.prompts)} prompts differ"
+    )
+    return "\n".join(out)
+
+
+def resolve_model(cfg: DemoConfig, progress: Progress) -> Path:
+    """The model directory to serve: ``cfg.model`` or the (cached) tiny checkpoint."""
+    if cfg.model is not None:
+        if not Path(cfg.model).exists():
+            raise FileNotFoundError(f"model={str(cfg.model)!r} does not exist")
+        return Path(cfg.model)
+    progress(f"building tiny {cfg.family} checkpoint (seed {cfg.seed}) ...")
+    path = ensure_tiny_checkpoint(TinySpec(family=cfg.family, seed=cfg.seed), cfg.cache_dir)
+    progress(f"tiny checkpoint: {path}")
+    return path
+
+
+def _run_batch(server: VLLMServer, cfg: DemoConfig, progress: Progress) -> BatchResult:
+    progress(f"[{server.name}] sending {len(cfg.prompts)} prompts ({cfg.concurrency} concurrent)")
+    result = complete_many(
+        server.base_url, cfg.prompts, max_tokens=cfg.max_tokens, concurrency=cfg.concurrency
+    )
+    server.check_alive()
+    return result
+
+
+def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
+    """Run the comparison described in the module docstring; engines are always stopped."""
+    model = resolve_model(cfg, progress)
+    log_dir = Path(cfg.log_dir)
+    progress(f"logs: {log_dir.resolve()}")
+    options = parity_options(model, cfg.options)
+    if options.max_num_seqs != cfg.options.max_num_seqs:
+        progress(
+            "note: vLLM's CPU MLA path is not batch invariant; serving one sequence at a time "
+            "(--max-num-seqs 1) on every server so outputs are comparable"
+        )
+
+    plain = plain_server(model, log_dir=log_dir, options=options, progress=progress)
+    plain.start()
+    try:
+        wait_until_healthy([plain])
+        base = _run_batch(plain, cfg, progress)
+        plain_rss = process_tree_rss(plain.pid) if plain.pid else None
+    finally:
+        plain.stop()
+    plain_stats = ServerStats("plain", "monolithic", base.tokens_per_s, plain_rss, None)
+
+    attention, ffn = afd_servers(
+        model,
+        log_dir=log_dir,
+        options=options,
+        num_attention_ranks=cfg.num_attention_ranks,
+        gate_on_attention=cfg.gate_on_attention,
+        progress=progress,
+    )
+    ffn.start()
+    attention.start()
+    try:
+        wait_until_healthy([ffn, attention])
+        afd = _run_batch(attention, cfg, progress)
+        ffn.check_alive()
+        rss = {s.name: process_tree_rss(s.pid) if s.pid else None for s in (attention, ffn)}
+    finally:
+        stop_all([attention, ffn])
+    att_bytes = parse_param_bytes(attention.log_text()).get("attention")
+    ffn_bytes = parse_param_bytes(ffn.log_text()).get("ffn")
+    servers = (
+        plain_stats,
+        ServerStats(attention.name, "attention", afd.tokens_per_s, rss[attention.name], att_bytes),
+        ServerStats(ffn.name, "ffn", None, rss[ffn.name], ffn_bytes),
+    )
+    gate = "attention" if cfg.gate_on_attention else "ffn"
+    topology = f"{cfg.num_attention_ranks} attention : 1 ffn, gate on {gate}"
+    parity = compare_parity(base.completions, afd.completions)
+    return DemoReport(str(model), topology, parity, servers)

@@ -1,0 +1,1 @@
+"""AFD model adapters (import vLLM; loaded lazily by the plugin through ModelRegistry)."""

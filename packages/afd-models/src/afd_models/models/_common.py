@@ -1,0 +1,193 @@
+"""Role-aware building blocks shared by the AFD model adapters.
+
+* :class:`RemoteMoEBlock` (Attention role) replaces an upstream sparse-MoE block: the router gate
+  (when on Attention) and the shared experts stay local, the routed experts run on the FFN role
+  through the ``afd::remote_ffn`` op (afd-remote's ``AFDAttentionFusedMoE``), and the outputs are combined exactly where and how upstream's
+  ``MoERunner`` combines them (``shared + routed``, routed scaling applied to the routed part).
+* :class:`FFNMoEBlock` (FFN role) holds the upstream ``FusedMoE`` (a vLLM ``MoERunner`` with no
+  shared experts) and the gate when the gate is on the FFN role.
+* :class:`AFDFFNCausalLM` is the whole FFN-role model: only the MoE blocks, at the same module
+  paths as upstream so checkpoint names load unchanged.
+
+Invariants: no attention, KV or embedding weights exist on the FFN role; no routed-expert weights
+exist on the Attention role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from afd_core.config import AFDConfig, AFDRole, parse_afd_config
+from afd_core.metadata import AFDPayloadSpec
+from afd_runtime.roles import param_bytes
+from torch import nn
+
+from afd_models._weight_utils import Classifier, FilterStats, filter_role_weights
+from afd_models.models import _remote_op as _remote_op  # registers afd::remote_ffn
+
+
+def afd_config_of(vllm_config: Any) -> AFDConfig | None:
+    """The AFD config in ``vllm_config.additional_config`` (``None`` without AFD)."""
+    return parse_afd_config(getattr(vllm_config, "additional_config", None))
+
+
+def attention_payload_spec(
+    vllm_config: Any, *, num_experts: int, gate_on_attention: bool, router_dtype: Any = None
+) -> AFDPayloadSpec:
+    """The payload an Attention adapter sends per MoE layer (hidden states, + logits if gated)."""
+    dtype = vllm_config.model_config.dtype
+    return AFDPayloadSpec(
+        hidden_size=int(vllm_config.model_config.get_hidden_size()),
+        dtype=dtype,
+        router_logits_width=num_experts if gate_on_attention else None,
+        router_logits_dtype=(router_dtype or dtype) if gate_on_attention else None,
+    )
+
+
+def afd_role_of(vllm_config: Any) -> AFDRole | None:
+    """The AFD role of ``vllm_config`` (``None`` without AFD)."""
+    cfg = afd_config_of(vllm_config)
+    return None if cfg is None else cfg.role
+
+
+class RemoteMoEBlock(nn.Module):
+    """Attention-side sparse-MoE block whose routed experts live on the FFN role.
+
+    The gate and shared-expert modules are registered under the attribute names given
+    (``gate_attr`` / ``shared_attr``) so checkpoint names match upstream's; either may be ``None``.
+    """
+
+    def __init__(
+        self,
+        *,
+        layer_idx: int,
+        gate: nn.Module | None,
+        shared_experts: nn.Module | None,
+        routed_scaling_factor: float = 1.0,
+        gate_attr: str = "gate",
+        shared_attr: str = "shared_experts",
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.routed_scaling_factor = routed_scaling_factor
+        self._gate_attr = gate_attr
+        self._shared_attr = shared_attr
+        setattr(self, gate_attr, gate)
+        setattr(self, shared_attr, shared_experts)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        squeeze = hidden_states.dim() == 1
+        hidden_dim = hidden_states.shape[-1]
+        x = hidden_states.view(-1, hidden_dim)
+        gate = getattr(self, self._gate_attr)
+        shared_experts = getattr(self, self._shared_attr)
+        router_logits = gate(x)[0] if gate is not None else None
+        shared = shared_experts(x) if shared_experts is not None else None
+        routed = torch.ops.afd.remote_ffn(x, router_logits, self.layer_idx)
+        scale = self.routed_scaling_factor
+        if scale != 1.0:
+            # vLLM's MoERunner._maybe_apply_routed_scale_to_output, verbatim in effect.
+            if routed.dtype != torch.float16 or shared is None:
+                routed = routed * scale
+            else:
+                shared = shared * (1.0 / scale)
+        out = shared + routed if shared is not None else routed
+        return out.squeeze(0) if squeeze else out
+
+
+class FFNMoEBlock(nn.Module):
+    """FFN-side sparse-MoE block: the upstream FusedMoE (MoERunner) and, optionally, the gate."""
+
+    def __init__(
+        self,
+        *,
+        gate: nn.Module | None,
+        experts: nn.Module,
+        routed_scaling_factor: float,
+        gate_on_ffn: bool,
+    ) -> None:
+        super().__init__()
+        self.gate = gate
+        self.gate_on_ffn = gate_on_ffn
+        self.experts = experts
+        # The Attention side applies upstream's routed scaling rule (see RemoteMoEBlock), so the
+        # runner returns the unscaled routed output.
+        self.upstream_routed_scaling_factor = routed_scaling_factor
+        if hasattr(experts, "routed_scaling_factor"):
+            setattr(experts, "routed_scaling_factor", 1.0)  # noqa: B010 - nn.Module attr typing
+
+    def forward(
+        self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        if not self.gate_on_ffn:
+            if router_logits is None:
+                raise ValueError(
+                    "router_logits is None but the gate is on the Attention role "
+                    "(afd.compute_gate_on_attention=true requires logits from Attention)"
+                )
+            return self.experts(hidden_states=hidden_states, router_logits=router_logits)
+        # The MoERunner holds the gate and computes the logits itself, exactly as upstream.
+        return self.experts(hidden_states=hidden_states, router_logits=hidden_states)
+
+
+class _FFNLayer(nn.Module):
+    def __init__(self, mlp: nn.Module | None) -> None:
+        super().__init__()
+        if mlp is not None:
+            self.mlp = mlp
+
+
+class _FFNDecoder(nn.Module):
+    def __init__(self, layers: list[_FFNLayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+
+class AFDFFNCausalLM(nn.Module):
+    """The FFN role's model: MoE blocks only, at upstream module paths (``model.layers.<i>.mlp``).
+
+    Implements :class:`afd_runtime.compute.AFDFFNModel`.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_layers: int,
+        moe_layer_indices: Iterable[int],
+        build_block: Callable[[int, str], FFNMoEBlock],
+        classify: Classifier,
+        prefix: str = "",
+        weights_mapper: Any = None,
+    ) -> None:
+        super().__init__()
+        self.afd_moe_layer_indices: tuple[int, ...] = tuple(moe_layer_indices)
+        wanted = set(self.afd_moe_layer_indices)
+        model_prefix = f"{prefix}.model" if prefix else "model"
+        layers = [
+            _FFNLayer(build_block(i, f"{model_prefix}.layers.{i}.mlp") if i in wanted else None)
+            for i in range(num_layers)
+        ]
+        self.model = _FFNDecoder(layers)
+        self._classify = classify
+        self._mapper = weights_mapper
+        self.afd_filter_stats = FilterStats()
+
+    def afd_ffn_forward(
+        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        block: Any = self.model.layers[layer_idx].mlp
+        return block(hidden_states, router_logits)
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise RuntimeError("the AFD FFN model is driven by the FFN service, not by forward()")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        from vllm.model_executor.models.utils import AutoWeightsLoader
+
+        kept = filter_role_weights(weights, AFDRole.FFN, self._classify, self.afd_filter_stats)
+        loader = AutoWeightsLoader(self)
+        loaded = set(loader.load_weights(kept, mapper=self._mapper))
+        self.afd_param_bytes = param_bytes(self)  # before vLLM's post-load repacking
+        return loaded

@@ -1,0 +1,47 @@
+"""The ``afd::remote_ffn`` custom op: an AFD Attention block's call into the FFN role.
+
+The op wraps afd-remote's :class:`afd_remote.fused_moe.AFDAttentionFusedMoE` (the connector comes
+from the AFD forward metadata the runtime installs around every forward). Being a
+``torch.library`` custom op keeps the exchange opaque to Dynamo/Inductor, so a compiled model
+traces as upstream everywhere else; the fake implementation returns ``empty_like(hidden)``.
+
+Invariants: never mutates or aliases its inputs; one parameter-free proxy per (layer, gate side).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from afd_remote.fused_moe import AFDAttentionFusedMoE
+
+_PROXIES: dict[tuple[int, bool], AFDAttentionFusedMoE] = {}
+_LOCK = threading.Lock()
+
+
+def proxy_for(layer_idx: int, gate_on_attention: bool) -> AFDAttentionFusedMoE:
+    """The (cached) afd-remote proxy of one MoE layer."""
+    key = (layer_idx, gate_on_attention)
+    with _LOCK:
+        proxy = _PROXIES.get(key)
+        if proxy is None:
+            proxy = _PROXIES[key] = AFDAttentionFusedMoE(
+                layer_idx, gate_on_attention=gate_on_attention
+            )
+    return proxy
+
+
+@torch.library.custom_op("afd::remote_ffn", mutates_args=())
+def remote_ffn(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor | None, layer_idx: int
+) -> torch.Tensor:
+    """Send one MoE layer's inputs to the FFN role and return its routed-expert output."""
+    proxy = proxy_for(layer_idx, router_logits is not None)
+    return proxy(hidden_states, router_logits)
+
+
+@remote_ffn.register_fake
+def _remote_ffn_fake(
+    hidden_states: torch.Tensor, router_logits: torch.Tensor | None, layer_idx: int
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states)

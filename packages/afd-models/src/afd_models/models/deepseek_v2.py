@@ -1,0 +1,252 @@
+"""AFD adapter for vLLM's DeepSeek-V2 / V3 (``DeepseekV2ForCausalLM``, ``DeepseekV3ForCausalLM``).
+
+Registered under the upstream architecture names. Without ``additional_config["afd"]`` the classes
+are upstream's, unchanged.
+
+* Attention role: upstream's constructor runs with ``deepseek_v2.DeepseekV2MoE`` replaced (only
+  during construction, :func:`afd_runtime.patches.construction_override`) by
+  :class:`AFDAttnDeepseekV2MoE`: same signature, gate local only with
+  ``compute_gate_on_attention``, shared experts local, routed experts remote. MLA attention,
+  dense layers, norms, embeddings and the LM head are upstream's.
+* FFN role: the constructor returns an :class:`~afd_models.models._common.AFDFFNCausalLM`
+  holding, per MoE layer, upstream's FusedMoE configured exactly as ``DeepseekV2MoE`` does
+  (grouped top-k, scoring function, correction bias, routed scaling) but without shared experts,
+  plus the gate when it is on the FFN role.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from afd_core.config import AFDRole
+from afd_runtime.patches import construction_override
+from afd_runtime.roles import param_bytes
+from torch import nn
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
+from vllm.model_executor.models import deepseek_v2 as upstream
+
+from afd_models._weight_utils import (
+    WeightOwner,
+    classify_moe_weight,
+    filter_role_weights,
+    layer_index,
+)
+from afd_models.models._common import (
+    AFDFFNCausalLM,
+    FFNMoEBlock,
+    RemoteMoEBlock,
+    afd_config_of,
+    attention_payload_spec,
+)
+
+_BIAS_SUFFIX = ".mlp.gate.e_score_correction_bias"
+
+
+def is_moe_layer(config: Any, layer_idx: int) -> bool:
+    """Upstream's rule for which decoder layers are sparse-MoE."""
+    freq = getattr(config, "moe_layer_freq", 1)
+    return (
+        config.n_routed_experts is not None
+        and layer_idx >= config.first_k_dense_replace
+        and layer_idx % freq == 0
+    )
+
+
+def deepseek_classifier(gate_on_attention: bool, num_layers: int) -> Any:
+    """Routed experts and the routing bias -> FFN; gate weight -> its side; the rest -> Attention.
+
+    The ``e_score_correction_bias`` (V3 ``noaux_tc``) is used only when selecting experts, which
+    always happens on the FFN role. Layers at or beyond ``num_layers`` (V3's MTP / speculative
+    layers, which upstream skips too) go to neither role.
+    """
+
+    def classify(name: str) -> WeightOwner:
+        idx = layer_index(name)
+        if idx is not None and idx >= num_layers:
+            return WeightOwner.NONE
+        if name.endswith(_BIAS_SUFFIX):
+            return WeightOwner.FFN
+        return classify_moe_weight(name, gate_on_attention=gate_on_attention)
+
+    return classify
+
+
+def _uses_correction_bias(config: Any) -> bool:
+    return getattr(config, "topk_method", None) == "noaux_tc"
+
+
+class AFDAttnDeepseekV2MoE(RemoteMoEBlock):
+    """Attention-side stand-in for ``DeepseekV2MoE`` (same constructor signature)."""
+
+    is_fused_shared_expert_enabled = False
+
+    def __init__(
+        self,
+        config: Any,
+        parallel_config: Any,
+        quant_config: Any = None,
+        reduce_results: bool = True,
+        prefix: str = "",
+        apply_routed_scale_to_output: bool = False,
+    ) -> None:
+        from vllm.config import get_current_vllm_config
+
+        afd = afd_config_of(get_current_vllm_config())
+        if afd is None:
+            raise RuntimeError("AFDAttnDeepseekV2MoE built without additional_config['afd']")
+        if not apply_routed_scale_to_output:
+            raise NotImplementedError(
+                "AFD DeepSeek needs apply_routed_scale_to_output=True (the non-ROCm-AITER path)"
+            )
+        if config.hidden_act != "silu":
+            raise ValueError(f"Unsupported activation: {config.hidden_act}; allowed: 'silu'")
+        gate = (
+            GateLinear(
+                config.hidden_size,
+                config.n_routed_experts,
+                out_dtype=upstream._get_moe_router_dtype(config),
+                prefix=f"{prefix}.gate",
+            )
+            if afd.compute_gate_on_attention
+            else None
+        )
+        shared = None
+        if config.n_shared_experts is not None:
+            shared = upstream.DeepseekV2MLP(
+                hidden_size=config.hidden_size,
+                intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+                hidden_act=config.hidden_act,
+                quant_config=quant_config,
+                is_sequence_parallel=False,
+                reduce_results=False,
+                prefix=f"{prefix}.shared_experts",
+            )
+        super().__init__(
+            layer_idx=int(prefix.split(".")[-2]),
+            gate=gate,
+            shared_experts=shared,
+            routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0),
+        )
+        # Attributes upstream's model reads while building MoE metadata (no experts here).
+        self.experts = None
+        self.n_routed_experts = config.n_routed_experts
+        self.n_shared_experts = config.n_shared_experts
+        self.n_logical_experts = config.n_routed_experts
+        self.n_physical_experts = config.n_routed_experts
+        self.n_local_physical_experts = 0
+        self.n_redundant_experts = 0
+
+
+def build_ffn_block(vllm_config: VllmConfig, prefix: str, gate_on_attention: bool) -> FFNMoEBlock:
+    """The FFN-side block of one DeepSeek MoE layer, configured as upstream's DeepseekV2MoE."""
+    config = vllm_config.model_config.hf_config
+    router_dtype = upstream._get_moe_router_dtype(config)
+    gate: nn.Module | None
+    if gate_on_attention:
+        gate = nn.Module() if _uses_correction_bias(config) else None
+    else:
+        gate = GateLinear(
+            config.hidden_size,
+            config.n_routed_experts,
+            out_dtype=router_dtype,
+            prefix=f"{prefix}.gate",
+        )
+    bias = None
+    if gate is not None:
+        if _uses_correction_bias(config):
+            gate.e_score_correction_bias = nn.Parameter(
+                torch.empty(config.n_routed_experts, dtype=torch.float32)
+            )
+            bias = gate.e_score_correction_bias
+        else:
+            setattr(gate, "e_score_correction_bias", None)  # noqa: B010 - nn.Module attr typing
+    scale = getattr(config, "routed_scaling_factor", 1.0)
+    experts = FusedMoEFactory(
+        shared_experts=None,
+        gate=None if gate_on_attention else gate,
+        num_experts=config.n_routed_experts,
+        top_k=config.num_experts_per_tok,
+        hidden_size=config.hidden_size,
+        intermediate_size=config.moe_intermediate_size,
+        renormalize=config.norm_topk_prob,
+        quant_config=vllm_config.quant_config,
+        use_grouped_topk=True,
+        num_expert_group=getattr(config, "n_group", 1),
+        topk_group=getattr(config, "topk_group", 1),
+        prefix=f"{prefix}.experts",
+        scoring_func=getattr(config, "scoring_func", "softmax"),
+        routed_scaling_factor=scale,
+        apply_routed_scale_to_output=True,
+        e_score_correction_bias=bias,
+        router_logits_dtype=router_dtype,
+    )
+    return FFNMoEBlock(
+        gate=gate, experts=experts, routed_scaling_factor=scale, gate_on_ffn=not gate_on_attention
+    )
+
+
+class AFDDeepseekV2ForCausalLM(upstream.DeepseekV2ForCausalLM):
+    """``DeepseekV2ForCausalLM`` that builds only its role's half under AFD."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = kwargs.get("vllm_config")
+        afd = afd_config_of(vllm_config) if vllm_config is not None else None
+        if afd is not None and afd.role is AFDRole.FFN:
+            return _build_ffn_model(vllm_config, kwargs.get("prefix", ""))
+        return super().__new__(cls)
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        afd = afd_config_of(vllm_config)
+        if afd is None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            self._afd_classify = None
+            return
+        with construction_override(upstream, "DeepseekV2MoE", AFDAttnDeepseekV2MoE):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # No routed experts live here: expose no MoE layers to EPLB.
+        self.moe_layers: list[Any] = []
+        self.moe_mlp_layers: list[Any] = []
+        self.num_local_physical_experts = 0
+        config = vllm_config.model_config.hf_config
+        self._afd_classify = deepseek_classifier(
+            afd.compute_gate_on_attention, config.num_hidden_layers
+        )
+        self.afd_moe_layer_indices = tuple(
+            i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)
+        )
+        self.afd_payload_spec = attention_payload_spec(
+            vllm_config,
+            num_experts=config.n_routed_experts,
+            gate_on_attention=afd.compute_gate_on_attention,
+            router_dtype=upstream._get_moe_router_dtype(config),
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self._afd_classify is not None:
+            weights = filter_role_weights(weights, AFDRole.ATTENTION, self._afd_classify)
+        loaded = super().load_weights(weights)
+        # Measured here, before vLLM's post-load processing (CPU repacks linear weights into
+        # kernel-private buffers and leaves empty Parameters behind).
+        self.afd_param_bytes = param_bytes(self)
+        return loaded
+
+
+class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):
+    """DeepSeek-V3 uses the V2 implementation upstream too."""
+
+
+def _build_ffn_model(vllm_config: VllmConfig, prefix: str) -> AFDFFNCausalLM:
+    config = vllm_config.model_config.hf_config
+    afd = afd_config_of(vllm_config)
+    assert afd is not None
+    gate_on_attention = afd.compute_gate_on_attention
+    return AFDFFNCausalLM(
+        num_layers=config.num_hidden_layers,
+        moe_layer_indices=[i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)],
+        build_block=lambda _i, p: build_ffn_block(vllm_config, p, gate_on_attention),
+        classify=deepseek_classifier(gate_on_attention, config.num_hidden_layers),
+        prefix=prefix,
+    )

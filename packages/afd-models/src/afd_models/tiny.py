@@ -1,0 +1,410 @@
+"""Deterministic tiny MoE checkpoints for end-to-end tests and ``afd demo``.
+
+A tiny checkpoint is a Hugging Face style directory (``config.json``, ``model.safetensors``,
+``tokenizer.json``, ``tokenizer_config.json``, ``generation_config.json``) holding random weights
+and a byte-level BPE tokenizer trained locally on an embedded corpus. No network access is needed.
+
+Invariants:
+
+* Same :class:`TinySpec` (family, seed, dtype) => byte-identical files. Weights come from a
+  ``torch.Generator`` seeded per tensor from ``(seed, tensor name)``, tensors are written in sorted
+  name order, JSON files are written with sorted keys.
+* The on-disk tensor names follow the original Hugging Face layout for the family (one tensor per
+  expert: ``mlp.experts.<j>.{gate,up,down}_proj.weight``), which is what vLLM's loaders expect.
+* Weights are scaled by ``1/sqrt(fan_in)`` and embeddings have unit variance, so logits are far
+  from ties and greedy text differs between prompts.
+* :func:`ensure_tiny_checkpoint` caches by content hash: the directory name embeds a hash of the
+  spec, the model config, the corpus and :data:`GENERATOR_VERSION`; a directory is published with
+  an atomic rename, so a partially written checkpoint is never reused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final, Literal, get_args
+
+import torch
+
+TinyFamily = Literal["qwen3_moe", "deepseek_v2"]
+TinyDType = Literal["float32", "bfloat16"]
+
+FAMILIES: Final[tuple[str, ...]] = get_args(TinyFamily)
+DTYPES: Final[tuple[str, ...]] = get_args(TinyDType)
+
+#: Bump when anything that changes the produced bytes changes (layout, init, corpus handling).
+GENERATOR_VERSION: Final[int] = 1
+
+#: Default cache root; override with ``AFD_TINY_CACHE`` or an explicit ``cache_dir``.
+DEFAULT_CACHE_ENV: Final[str] = "AFD_TINY_CACHE"
+
+BOS_TOKEN: Final[str] = "<|bos|>"
+EOS_TOKEN: Final[str] = "<|eos|>"
+PAD_TOKEN: Final[str] = "<|pad|>"
+SPECIAL_TOKENS: Final[tuple[str, ...]] = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN)
+TOKENIZER_VOCAB_TARGET: Final[int] = 1024
+
+# A small fixed corpus (written for this project) the BPE tokenizer is trained on.
+CORPUS: Final[tuple[str, ...]] = (
+    "Attention and feed-forward layers can live in different processes.",
+    "The attention side keeps the key-value cache, the scheduler and the sampler.",
+    "The expert side holds the routed experts and answers every layer in order.",
+    "A mixture of experts sends each token to a few experts chosen by a small gate.",
+    "Greedy decoding always picks the token with the highest score.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Numbers like 1, 2, 3, 10, 42, 100 and 2026 appear in plain text too.",
+    "Servers start, answer requests over HTTP, and stop when they receive a signal.",
+    "Every prompt should produce the same tokens on both deployments.",
+    "Small models with random weights are useful for testing the plumbing end to end.",
+    "Tokens flow from the attention ranks to the expert ranks and back again.",
+    "Hello world! How are you today? I am fine, thank you very much.",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))",
+    "In the beginning there was a small model, and it produced strange words.",
+    "Weights are loaded once; each role keeps only the part of the model it runs.",
+    "Latency, throughput, memory and correctness are measured for every change.",
+    "Rivers, mountains, forests and cities are drawn on the old paper map.",
+    "She wrote the letter, folded it twice and sent it across the sea.",
+    "Parity means identical output tokens, not merely similar text.",
+    "The cache directory is keyed by a hash of everything that shapes the files.",
+)
+
+#: Prompts used by the E2E tests and ``afd demo``.
+DEMO_PROMPTS: Final[tuple[str, ...]] = (
+    "The attention side keeps",
+    "A mixture of experts",
+    "Hello world! How are",
+    "def add(a, b):",
+    "Rivers, mountains and",
+    "Numbers like 42 and",
+)
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """What identifies a tiny checkpoint: the model family, the weight seed and the dtype."""
+
+    family: TinyFamily = "qwen3_moe"
+    seed: int = 0
+    dtype: TinyDType = "float32"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"TinySpec.family={self.family!r} is not one of {FAMILIES}")
+        if not isinstance(self.seed, int) or isinstance(self.seed, bool) or self.seed < 0:
+            raise ValueError(f"TinySpec.seed={self.seed!r} must be a non-negative int")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"TinySpec.dtype={self.dtype!r} is not one of {DTYPES}")
+
+
+def model_config(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` content for ``spec`` (plain JSON types only)."""
+    common: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 1024,
+        "tie_word_embeddings": False,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 0,
+        "initializer_range": 0.02,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "use_cache": True,
+        "dtype": spec.dtype,
+        "torch_dtype": spec.dtype,
+        "rope_theta": 10000.0,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "norm_topk_prob": True,
+        "num_experts_per_tok": 2,
+    }
+    if spec.family == "qwen3_moe":
+        return {
+            **common,
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "model_type": "qwen3_moe",
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "head_dim": 32,
+            "intermediate_size": 256,
+            "moe_intermediate_size": 64,
+            "num_experts": 8,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+            "sliding_window": None,
+            "use_sliding_window": False,
+            "output_router_logits": False,
+            "router_aux_loss_coef": 0.001,
+        }
+    # DeepSeek-V2 with MLA. The CPU MLA kernel needs kv_lora_rank + qk_rope_head_dim == 576.
+    return {
+        **common,
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "model_type": "deepseek_v2",
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": None,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+        "head_dim": 64,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 1.0,
+        "topk_method": "greedy",
+        "n_group": 1,
+        "topk_group": 1,
+        "scoring_func": "softmax",
+        "norm_topk_prob": False,
+        "aux_loss_alpha": 0.001,
+        "seq_aux": True,
+    }
+
+
+def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint, by its Hugging Face name, with its shape."""
+    h = int(config["hidden_size"])
+    v = int(config["vocab_size"])
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (v, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (v, h),
+    }
+    family = config["model_type"]
+    n_experts = int(config["num_experts"] if family == "qwen3_moe" else config["n_routed_experts"])
+    moe_i = int(config["moe_intermediate_size"])
+    dense_i = int(config["intermediate_size"])
+    n_heads = int(config["num_attention_heads"])
+    for layer in range(int(config["num_hidden_layers"])):
+        p = f"model.layers.{layer}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if family == "qwen3_moe":
+            hd = int(config["head_dim"])
+            n_kv = int(config["num_key_value_heads"])
+            shapes[p + "self_attn.q_proj.weight"] = (n_heads * hd, h)
+            shapes[p + "self_attn.k_proj.weight"] = (n_kv * hd, h)
+            shapes[p + "self_attn.v_proj.weight"] = (n_kv * hd, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, n_heads * hd)
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+            is_moe = True
+            n_shared = 0
+        else:
+            nope = int(config["qk_nope_head_dim"])
+            rope = int(config["qk_rope_head_dim"])
+            vh = int(config["v_head_dim"])
+            kv_rank = int(config["kv_lora_rank"])
+            shapes[p + "self_attn.q_proj.weight"] = (n_heads * (nope + rope), h)
+            shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (kv_rank + rope, h)
+            shapes[p + "self_attn.kv_a_layernorm.weight"] = (kv_rank,)
+            shapes[p + "self_attn.kv_b_proj.weight"] = (n_heads * (nope + vh), kv_rank)
+            shapes[p + "self_attn.o_proj.weight"] = (h, n_heads * vh)
+            is_moe = layer >= int(config["first_k_dense_replace"])
+            n_shared = int(config["n_shared_experts"])
+        if not is_moe:
+            shapes[p + "mlp.gate_proj.weight"] = (dense_i, h)
+            shapes[p + "mlp.up_proj.weight"] = (dense_i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, dense_i)
+            continue
+        shapes[p + "mlp.gate.weight"] = (n_experts, h)
+        for e in range(n_experts):
+            q = f"{p}mlp.experts.{e}."
+            shapes[q + "gate_proj.weight"] = (moe_i, h)
+            shapes[q + "up_proj.weight"] = (moe_i, h)
+            shapes[q + "down_proj.weight"] = (h, moe_i)
+        if n_shared:
+            si = moe_i * n_shared
+            shapes[p + "mlp.shared_experts.gate_proj.weight"] = (si, h)
+            shapes[p + "mlp.shared_experts.up_proj.weight"] = (si, h)
+            shapes[p + "mlp.shared_experts.down_proj.weight"] = (h, si)
+    return shapes
+
+
+def _tensor_seed(seed: int, name: str) -> int:
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def make_tensor(seed: int, name: str, shape: tuple[int, ...], dtype: TinyDType) -> torch.Tensor:
+    """One deterministic tensor: norms are ones, embeddings N(0, 1), matrices N(0, 1/fan_in).
+
+    The router (``mlp.gate``) is scaled up 4x so expert choices are decisive (no near-ties).
+    """
+    torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch_dtype)
+    gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+    t = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name != "model.embed_tokens.weight":
+        scale = 1.0 / math.sqrt(shape[-1])
+        if name.endswith("mlp.gate.weight"):
+            scale *= 4.0
+        t = t * scale
+    return t.to(torch_dtype).contiguous()
+
+
+def build_tokenizer_json() -> str:
+    """Train the byte-level BPE tokenizer on :data:`CORPUS`; returns ``tokenizer.json`` text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_TARGET,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(CORPUS), trainer=trainer)
+    text: str = tok.to_str(pretty=True)
+    return text
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": PAD_TOKEN,
+        "unk_token": None,
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1024,
+    }
+
+
+def _dump_json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True) + "\n"
+
+
+def _vocab_size(tokenizer_json: str) -> int:
+    data = json.loads(tokenizer_json)
+    ids = list(data["model"]["vocab"].values()) + [t["id"] for t in data["added_tokens"]]
+    return max(ids) + 1
+
+
+def _special_ids(tokenizer_json: str) -> dict[str, int]:
+    data = json.loads(tokenizer_json)
+    return {t["content"]: int(t["id"]) for t in data["added_tokens"]}
+
+
+def _iter_files(spec: TinySpec) -> Iterator[tuple[str, bytes]]:
+    """Yield ``(file name, bytes)`` for every file of the checkpoint, deterministically."""
+    from safetensors.torch import save
+
+    tokenizer_json = build_tokenizer_json()
+    specials = _special_ids(tokenizer_json)
+    config = model_config(spec, _vocab_size(tokenizer_json))
+    config["bos_token_id"] = specials[BOS_TOKEN]
+    config["eos_token_id"] = specials[EOS_TOKEN]
+    config["pad_token_id"] = specials[PAD_TOKEN]
+    shapes = tensor_shapes(config)
+    tensors = {n: make_tensor(spec.seed, n, shapes[n], spec.dtype) for n in sorted(shapes)}
+    yield "config.json", _dump_json(config).encode()
+    generation = {
+        "bos_token_id": config["bos_token_id"],
+        "eos_token_id": config["eos_token_id"],
+        "pad_token_id": config["pad_token_id"],
+        "do_sample": False,
+    }
+    yield "generation_config.json", _dump_json(generation).encode()
+    yield "tokenizer.json", tokenizer_json.encode()
+    yield "tokenizer_config.json", _dump_json(_tokenizer_config()).encode()
+    yield (
+        "special_tokens_map.json",
+        _dump_json(
+            {"bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN, "pad_token": PAD_TOKEN}
+        ).encode(),
+    )
+    yield "model.safetensors", save(tensors, metadata={"format": "pt"})
+
+
+def spec_hash(spec: TinySpec) -> str:
+    """Content hash of everything that shapes the files (hex, 16 chars)."""
+    payload = {
+        "generator_version": GENERATOR_VERSION,
+        "spec": {"family": spec.family, "seed": spec.seed, "dtype": spec.dtype},
+        "config": model_config(spec, 0),
+        "corpus": list(CORPUS),
+        "special_tokens": list(SPECIAL_TOKENS),
+        "vocab_target": TOKENIZER_VOCAB_TARGET,
+        "tokenizer": _tokenizer_config(),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def write_tiny_checkpoint(spec: TinySpec, out_dir: Path) -> Path:
+    """Write the checkpoint for ``spec`` into ``out_dir`` (created; must not hold a checkpoint).
+
+    Raises ``FileExistsError`` naming ``out_dir`` if it already contains ``config.json``.
+    """
+    out_dir = Path(out_dir)
+    if (out_dir / "config.json").exists():
+        raise FileExistsError(f"out_dir={str(out_dir)!r} already holds a checkpoint")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, data in _iter_files(spec):
+        (out_dir / name).write_bytes(data)
+    return out_dir
+
+
+def default_cache_dir() -> Path:
+    """``$AFD_TINY_CACHE`` if set, else ``~/.cache/afd/tiny``."""
+    env = os.environ.get(DEFAULT_CACHE_ENV)
+    return Path(env) if env else Path.home() / ".cache" / "afd" / "tiny"
+
+
+def ensure_tiny_checkpoint(spec: TinySpec | None = None, cache_dir: Path | None = None) -> Path:
+    """Return the cached checkpoint directory for ``spec``, building it on first use.
+
+    The directory is ``<cache_dir>/<family>-s<seed>-<dtype>-<hash>``; it is written to a temporary
+    sibling and renamed into place, so concurrent callers either see a complete checkpoint or
+    build their own copy (the loser's copy is discarded).
+    """
+    spec = spec or TinySpec()
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    target = root / f"{spec.family}-s{spec.seed}-{spec.dtype}-{spec_hash(spec)}"
+    if (target / "config.json").is_file():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    try:
+        write_tiny_checkpoint(spec, tmp)
+        tmp.chmod(0o755)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def checkpoint_digest(path: Path) -> str:
+    """SHA-256 over every file of a checkpoint directory (names and bytes, sorted)."""
+    h = hashlib.sha256()
+    for f in sorted(p for p in Path(path).iterdir() if p.is_file()):
+        h.update(f.name.encode() + b"\0")
+        h.update(f.read_bytes())
+    return h.hexdigest()

@@ -1,0 +1,181 @@
+"""E2E: greedy outputs through the AFD Attention role equal plain ``vllm serve`` token for token.
+
+Engines are expensive (30-90 s each on a small CPU box), so servers are shared: one plain
+baseline per model family (its outputs computed once per session) and one AFD deployment per
+case (module-scoped, parametrized), i.e. 2 + 2 x 4 = 10 engine starts for this module. At most
+two engines run at a time. Each engine logs to ``$AFD_E2E_LOG_DIR`` (default: pytest's tmp dir).
+
+DeepSeek-V2 servers (plain and AFD alike) run with ``--max-num-seqs 1``: vLLM 0.32's CPU MLA path
+is not batch invariant (plain vLLM against itself gives a request different greedy tokens when it
+shares a batch with other requests), so token parity is only defined one sequence at a time. The
+client still sends those requests concurrently; Qwen3-MoE is served with real batches.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("requests")
+
+from afd_models.serving import (
+    BatchResult,
+    EngineOptions,
+    VLLMServer,
+    afd_servers,
+    compare_parity,
+    complete_many,
+    parity_options,
+    plain_server,
+    stop_all,
+    wait_until_healthy,
+)
+from afd_models.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm_runtime, pytest.mark.slow]
+
+MAX_TOKENS = 16
+OPTIONS = EngineOptions(dtype="float32", enforce_eager=True, max_model_len=512)
+
+
+@dataclass(frozen=True)
+class Case:
+    family: str
+    num_attention_ranks: int
+    gate_on_attention: bool
+
+    @property
+    def id(self) -> str:
+        gate = "gate_attn" if self.gate_on_attention else "gate_ffn"
+        return f"{self.family}-{self.num_attention_ranks}A1F-{gate}"
+
+
+CASES = [
+    Case("qwen3_moe", 1, False),
+    Case("qwen3_moe", 2, False),
+    Case("deepseek_v2", 1, True),
+    Case("deepseek_v2", 2, False),
+]
+
+
+def _log_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    env = os.environ.get("AFD_E2E_LOG_DIR")
+    return Path(env) if env else tmp_path_factory.getbasetemp() / "engine-logs"
+
+
+def _prompt_runs(server: VLLMServer) -> tuple[BatchResult, BatchResult]:
+    """All prompts concurrently (3 in flight), then the first two one at a time."""
+    together = complete_many(server.base_url, DEMO_PROMPTS, max_tokens=MAX_TOKENS, concurrency=3)
+    alone = complete_many(server.base_url, DEMO_PROMPTS[:2], max_tokens=MAX_TOKENS, concurrency=1)
+    return together, alone
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    cache = os.environ.get("AFD_TINY_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    return {
+        fam: ensure_tiny_checkpoint(TinySpec(fam), root) for fam in ("qwen3_moe", "deepseek_v2")
+    }
+
+
+_BASELINES: dict[str, tuple[BatchResult, BatchResult]] = {}
+
+
+@pytest.fixture(scope="session")
+def baseline(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> object:
+    """``baseline(family)`` -> plain vLLM outputs; each family's engine runs once, then stops."""
+
+    def get(family: str) -> tuple[BatchResult, BatchResult]:
+        if family not in _BASELINES:
+            server = plain_server(
+                checkpoints[family],
+                log_dir=_log_root(tmp_path_factory),
+                options=parity_options(checkpoints[family], OPTIONS),
+                name=f"plain-{family}",
+                progress=print,
+            )
+            server.start()
+            try:
+                wait_until_healthy([server])
+                _BASELINES[family] = _prompt_runs(server)
+            finally:
+                server.stop()
+        return _BASELINES[family]
+
+    return get
+
+
+@dataclass
+class Deployment:
+    case: Case
+    attention: VLLMServer
+    ffn: VLLMServer
+    runs: tuple[BatchResult, BatchResult]
+
+
+@pytest.fixture(scope="module", params=CASES, ids=[c.id for c in CASES])
+def deployment(
+    request: pytest.FixtureRequest,
+    checkpoints: dict[str, Path],
+    baseline: object,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Deployment]:
+    case: Case = request.param
+    baseline(case.family)  # type: ignore[operator]  # plain engine first, never beside the AFD pair
+    attention, ffn = afd_servers(
+        checkpoints[case.family],
+        log_dir=_log_root(tmp_path_factory),
+        options=parity_options(checkpoints[case.family], OPTIONS),
+        num_attention_ranks=case.num_attention_ranks,
+        gate_on_attention=case.gate_on_attention,
+        prefix=case.id,
+        progress=print,
+    )
+    ffn.start()
+    attention.start()
+    try:
+        wait_until_healthy([ffn, attention])
+        runs = _prompt_runs(attention)
+        yield Deployment(case, attention, ffn, runs)
+    finally:
+        results = stop_all([attention, ffn])
+        print(results)
+
+
+@pytest.mark.timeout(1800)
+def test_concurrent_greedy_outputs_match_plain_vllm(
+    deployment: Deployment, baseline: object
+) -> None:
+    expected, _ = baseline(deployment.case.family)  # type: ignore[operator]
+    actual, _ = deployment.runs
+    assert all(len(c.token_ids) == MAX_TOKENS for c in expected.completions)
+    parity = compare_parity(expected.completions, actual.completions)
+    assert parity.ok, parity.describe()
+
+
+@pytest.mark.timeout(1800)
+def test_sequential_greedy_outputs_match_plain_vllm(
+    deployment: Deployment, baseline: object
+) -> None:
+    _, expected = baseline(deployment.case.family)  # type: ignore[operator]
+    _, actual = deployment.runs
+    parity = compare_parity(expected.completions, actual.completions)
+    assert parity.ok, parity.describe()
+
+
+@pytest.mark.timeout(1800)
+def test_roles_report_their_own_weights_and_stay_up(deployment: Deployment) -> None:
+    from afd_models.serving import parse_param_bytes
+
+    deployment.attention.check_alive()
+    deployment.ffn.check_alive()
+    att = parse_param_bytes(deployment.attention.log_text()).get("attention")
+    ffn = parse_param_bytes(deployment.ffn.log_text()).get("ffn")
+    assert att is not None and len(att) == deployment.case.num_attention_ranks
+    assert ffn is not None and len(ffn) == 1

@@ -1,0 +1,264 @@
+"""Role construction and weight filtering against the real vLLM model classes on CPU.
+
+For each family (Qwen3-MoE, DeepSeek-V2 with MLA) and each gate placement, the tiny checkpoint is
+loaded three times through vLLM's own loader: plain (no AFD config), Attention role, FFN role.
+Checked, all exactly (``torch.equal``):
+
+* each role holds only its modules (no routed experts on Attention; only routed experts and, on
+  the FFN side, the gate on FFN);
+* every role parameter equals the plain model's parameter of the same name, and the two roles
+  together hold exactly the plain model's parameters;
+* one MoE layer computed the AFD way (Attention block, FFN block through an in-process exchange)
+  equals the plain model's block.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector import AFDConnectorBase, AFDTransferHandle
+from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
+from afd_models.tiny import TinySpec, ensure_tiny_checkpoint
+from afd_runtime.roles import model_param_bytes
+
+pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(600)]
+
+FAMILIES = ("qwen3_moe", "deepseek_v2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def vllm_env() -> None:
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
+
+    _set_torch_accelerator_to_noop()
+    if model_parallel_is_initialized():
+        return
+    with set_current_vllm_config(_config(_checkpoint("qwen3_moe"))):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            local_rank=0,
+            backend="gloo",
+        )
+        ensure_model_parallel_initialized(1, 1)
+
+
+_CACHE: dict[str, Path] = {}
+
+
+def _checkpoint(family: str) -> Path:
+    if family not in _CACHE:
+        root = Path(os.environ.get("AFD_TINY_CACHE", "/tmp/afd-tiny-cache-tests"))
+        _CACHE[family] = ensure_tiny_checkpoint(TinySpec(family), root)  # type: ignore[arg-type]
+    return _CACHE[family]
+
+
+def _config(path: Path, afd: dict[str, Any] | None = None) -> Any:
+    from vllm.engine.arg_utils import EngineArgs
+
+    extra = {} if afd is None else {"afd": afd}
+    return EngineArgs(
+        model=str(path), enforce_eager=True, additional_config=extra
+    ).create_engine_config()
+
+
+def _load(path: Path, afd: dict[str, Any] | None) -> tuple[Any, Any]:
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.model_loader import get_model
+
+    cfg = _config(path, afd)
+    with set_current_vllm_config(cfg):
+        return cfg, get_model(vllm_config=cfg)
+
+
+@pytest.fixture(scope="module")
+def models(vllm_env: None) -> dict[tuple[str, str, bool], tuple[Any, Any]]:
+    out: dict[tuple[str, str, bool], tuple[Any, Any]] = {}
+    for family in FAMILIES:
+        path = _checkpoint(family)
+        out[(family, "plain", False)] = _load(path, None)
+        for gate_on_attention in (False, True):
+            for role in ("attention", "ffn"):
+                afd = {"role": role, "port": 1, "compute_gate_on_attention": gate_on_attention}
+                out[(family, role, gate_on_attention)] = _load(path, afd)
+    return out
+
+
+def _params(model: Any) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_roles_hold_only_their_modules(
+    models: dict[tuple[str, str, bool], tuple[Any, Any]], family: str, gate_on_attention: bool
+) -> None:
+    attn = _params(models[(family, "attention", gate_on_attention)][1])
+    ffn = _params(models[(family, "ffn", gate_on_attention)][1])
+    assert attn and ffn
+    assert not [n for n in attn if ".experts." in n]
+    assert all(".mlp.experts." in n or ".mlp.gate." in n for n in ffn), sorted(ffn)
+    assert any(".mlp.experts." in n for n in ffn)
+    gates_on_ffn = [n for n in ffn if n.endswith(".mlp.gate.weight")]
+    gates_on_attn = [n for n in attn if n.endswith(".mlp.gate.weight")]
+    if gate_on_attention:
+        assert not gates_on_ffn and gates_on_attn
+    else:
+        assert gates_on_ffn and not gates_on_attn
+    assert not [n for n in ffn if "attn" in n or "embed" in n or "lm_head" in n or "norm" in n]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_roles_partition_the_plain_parameters_exactly(
+    models: dict[tuple[str, str, bool], tuple[Any, Any]], family: str, gate_on_attention: bool
+) -> None:
+    plain = _params(models[(family, "plain", False)][1])
+    attn_model = models[(family, "attention", gate_on_attention)][1]
+    ffn_model = models[(family, "ffn", gate_on_attention)][1]
+    attn, ffn = _params(attn_model), _params(ffn_model)
+    assert set(attn).isdisjoint(ffn)
+    assert set(attn) | set(ffn) == set(plain)
+    for name, tensor in {**attn, **ffn}.items():
+        assert torch.equal(tensor, plain[name]), name
+    plain_bytes = models[(family, "plain", False)][1].afd_param_bytes
+    assert attn_model.afd_param_bytes + ffn_model.afd_param_bytes == plain_bytes
+    assert model_param_bytes(attn_model) == attn_model.afd_param_bytes > 0
+    assert model_param_bytes(ffn_model) == ffn_model.afd_param_bytes > 0
+    # The router gate's bytes move with it.
+    config = models[(family, "plain", False)][0].model_config
+    hf = config.hf_config
+    experts = getattr(hf, "num_experts", None) or hf.n_routed_experts
+    itemsize = torch.empty(0, dtype=config.dtype).element_size()
+    gate_bytes = len(ffn_model.afd_moe_layer_indices) * experts * hf.hidden_size * itemsize
+    other = models[(family, "ffn", not gate_on_attention)][1]
+    delta = ffn_model.afd_param_bytes - other.afd_param_bytes
+    assert delta == (-gate_bytes if gate_on_attention else gate_bytes)
+
+
+class _InProcessConnector(AFDConnectorBase):
+    """An afd-core connector that runs the FFN-role model in-process (no transport)."""
+
+    name = "test-in-process"
+
+    def __init__(self, attn_model: Any, ffn_cfg: Any, ffn_model: Any) -> None:
+        afd = AFDConfig.from_mapping({"role": "attention", "port": 1})
+        super().__init__(afd, payload_spec=attn_model.afd_payload_spec, num_layers=8)
+        self.ffn_cfg = ffn_cfg
+        self.ffn_model = ffn_model
+        self.layers: list[int] = []
+        self._pending: dict[int, Any] = {}
+
+    def init(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    def send_attn_output(self, payload: Any, metadata: Any) -> AFDTransferHandle:
+        self.payload_spec.validate_payload(payload, metadata.num_tokens[0], "cpu")
+        self.layers.append(metadata.layer_idx)
+        handle = AFDTransferHandle(metadata, payload, id(self))
+        return handle
+
+    def recv_ffn_output(self, handle: AFDTransferHandle, out: Any = None) -> torch.Tensor:
+        from afd_runtime.workers.base import _vllm_forward_context
+
+        handle.consume()
+        payload = handle.state
+        n = handle.metadata.num_tokens[0]
+        with _vllm_forward_context(self.ffn_cfg, n):
+            return self.ffn_model.afd_ffn_forward(  # type: ignore[no-any-return]
+                handle.metadata.layer_idx, payload.hidden_states, payload.router_logits
+            )
+
+    def recv_attn_output(self, metadata: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def send_ffn_output(self, outputs: Any, metadata: Any) -> None:
+        raise NotImplementedError
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_afd_moe_layer_equals_plain_layer(
+    models: dict[tuple[str, str, bool], tuple[Any, Any]], family: str, gate_on_attention: bool
+) -> None:
+    from afd_runtime.workers.base import _vllm_forward_context
+
+    plain_cfg, plain = models[(family, "plain", False)]
+    _, attn = models[(family, "attention", gate_on_attention)]
+    ffn_cfg, ffn = models[(family, "ffn", gate_on_attention)]
+    layer = ffn.afd_moe_layer_indices[-1]
+    assert attn.afd_moe_layer_indices == ffn.afd_moe_layer_indices
+    hidden = torch.randn(
+        5, plain_cfg.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(7)
+    ).to(plain_cfg.model_config.dtype)
+    with torch.inference_mode():
+        with _vllm_forward_context(plain_cfg, 5):
+            want = plain.model.layers[layer].mlp(hidden.clone())
+        connector = _InProcessConnector(attn, ffn_cfg, ffn)
+        meta = AFDForwardMetadata(connector=connector, num_tokens=(5,))
+        with set_afd_forward_metadata(meta):
+            got = attn.model.layers[layer].mlp(hidden.clone())
+    assert connector.layers == [layer]
+    assert torch.equal(got, want)
+
+
+def test_ffn_role_model_refuses_forward(
+    models: dict[tuple[str, str, bool], tuple[Any, Any]],
+) -> None:
+    _, ffn = models[("qwen3_moe", "ffn", False)]
+    with pytest.raises(RuntimeError, match="FFN service"):
+        ffn(input_ids=None, positions=None)
+
+
+def test_plain_config_builds_the_upstream_model(
+    models: dict[tuple[str, str, bool], tuple[Any, Any]],
+) -> None:
+    from vllm.model_executor.models.deepseek_v2 import DeepseekV2MoE
+    from vllm.model_executor.models.qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    _, qwen = models[("qwen3_moe", "plain", False)]
+    _, deepseek = models[("deepseek_v2", "plain", False)]
+    assert isinstance(qwen.model.layers[0].mlp, Qwen3MoeSparseMoeBlock)
+    assert isinstance(deepseek.model.layers[1].mlp, DeepseekV2MoE)
+    assert qwen._afd_classify is None and deepseek._afd_classify is None
+
+
+def test_role_worker_selected_by_config(
+    models: dict[tuple[str, str, bool], tuple[Any, Any]],
+) -> None:
+    assert models[("qwen3_moe", "plain", False)][0].parallel_config.worker_cls == (
+        "vllm.v1.worker.cpu_worker.CPUWorker"
+    )
+    attn_cfg = models[("qwen3_moe", "attention", False)][0]
+    ffn_cfg = models[("qwen3_moe", "ffn", False)][0]
+    assert attn_cfg.parallel_config.worker_cls == "afd_runtime.workers.cpu.AFDCPUAttentionWorker"
+    assert ffn_cfg.parallel_config.worker_cls == "afd_runtime.workers.cpu.AFDCPUFFNWorker"
+    assert ffn_cfg.cache_config.enable_prefix_caching is False
+    assert AFDRole.FFN.value == "ffn"

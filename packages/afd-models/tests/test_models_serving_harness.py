@@ -1,0 +1,312 @@
+"""Server harness without vLLM: role arguments, parity, log parsing and process failure paths."""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+psutil = pytest.importorskip("psutil")
+pytest.importorskip("requests")
+
+from afd_models.serving import (  # noqa: E402
+    Completion,
+    CompletionError,
+    EngineOptions,
+    ServerConfig,
+    ServerExitedError,
+    ServerStartTimeoutError,
+    VLLMServer,
+    afd_role_args,
+    afd_servers,
+    compare_parity,
+    complete,
+    complete_many,
+    first_mismatch,
+    free_port,
+    parity_options,
+    parse_param_bytes,
+    process_tree_rss,
+    wait_until_healthy,
+)
+
+
+def _config(
+    tmp_path: Path, code: str, *, timeout_s: float = 60.0, name: str = "fake"
+) -> ServerConfig:
+    return ServerConfig(
+        name=name,
+        argv=(sys.executable, "-c", code),
+        port=free_port(),
+        log_path=tmp_path / f"{name}.log",
+        startup_timeout_s=timeout_s,
+    )
+
+
+FAKE_SERVER = r"""
+import json, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+class H(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+    def _send(self, code, body):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+    def do_GET(self):
+        if self.path == "/health":
+            self._send(200, {})
+        elif self.path == "/v1/models":
+            self._send(200, {"data": [{"id": "fake-model"}]})
+        else:
+            self._send(404, {})
+    def do_POST(self):
+        req = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert req["temperature"] == 0.0 and req["return_token_ids"] is True
+        ids = [len(req["prompt"]) + i for i in range(req["max_tokens"])]
+        choice = {"text": req["prompt"].upper(), "token_ids": ids}
+        if req["prompt"] == "no-ids":
+            del choice["token_ids"]
+        self._send(200, {"model": req["model"], "choices": [choice]})
+
+print("fake server up", flush=True)
+HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def _fake_server(tmp_path: Path) -> VLLMServer:
+    port = free_port()
+    cfg = ServerConfig(
+        name="fake",
+        argv=(sys.executable, "-c", FAKE_SERVER, str(port)),
+        port=port,
+        log_path=tmp_path / "fake.log",
+        startup_timeout_s=60,
+    )
+    return VLLMServer(cfg)
+
+
+def test_ffn_role_args_are_the_documented_launch() -> None:
+    args = afd_role_args(
+        "ffn", afd_port=29555, num_attention_ranks=2, num_ffn_ranks=1, gate_on_attention=True
+    )
+    assert args[0] == "--additional-config"
+    assert len(args) == 2
+    assert json.loads(args[1]) == {
+        "afd": {
+            "role": "ffn",
+            "port": 29555,
+            "num_attention_ranks": 2,
+            "num_ffn_ranks": 1,
+            "compute_gate_on_attention": True,
+        }
+    }
+
+
+def test_attention_role_args_add_data_parallel_only_for_several_ranks() -> None:
+    one = afd_role_args("attention", afd_port=1234, num_attention_ranks=1, gate_on_attention=False)
+    two = afd_role_args("attention", afd_port=1234, num_attention_ranks=2, gate_on_attention=False)
+    assert "--data-parallel-size" not in one
+    assert two[2:] == ["--data-parallel-size", "2", "--api-server-count", "1"]
+    assert json.loads(two[1])["afd"]["role"] == "attention"
+    assert json.loads(one[1])["afd"]["compute_gate_on_attention"] is False
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"role": "moe"}, "role"),
+        ({"afd_port": 0}, "afd_port"),
+        ({"num_attention_ranks": 0}, "num_attention_ranks"),
+        ({"num_ffn_ranks": 0}, "num_ffn_ranks"),
+        ({"extra": {"role": "ffn"}}, "role"),
+    ],
+)
+def test_role_args_validation_names_field(kwargs: dict[str, object], field: str) -> None:
+    base: dict[str, object] = {
+        "role": "ffn",
+        "afd_port": 1234,
+        "num_attention_ranks": 1,
+        "gate_on_attention": False,
+    }
+    base.update(kwargs)
+    role = base.pop("role")
+    with pytest.raises(ValueError, match=field):
+        afd_role_args(role, **base)  # type: ignore[arg-type]
+
+
+def test_afd_servers_share_one_afd_port_and_engine_options(tmp_path: Path) -> None:
+    opts = EngineOptions(dtype="float32", enforce_eager=True, max_model_len=256)
+    att, ffn = afd_servers(
+        "/m", log_dir=tmp_path, options=opts, num_attention_ranks=2, gate_on_attention=True
+    )
+    a_cfg = json.loads(att.config.argv[att.config.argv.index("--additional-config") + 1])
+    f_cfg = json.loads(ffn.config.argv[ffn.config.argv.index("--additional-config") + 1])
+    assert a_cfg["afd"]["port"] == f_cfg["afd"]["port"]
+    assert (a_cfg["afd"]["role"], f_cfg["afd"]["role"]) == ("attention", "ffn")
+    assert att.config.port != ffn.config.port
+    for s in (att, ffn):
+        argv = list(s.config.argv)
+        assert argv[1:5] == ["-m", "afd_models.serving", "serve", "/m"]
+        assert argv[argv.index("--dtype") + 1] == "float32"
+        assert "--enforce-eager" in argv
+        assert argv[argv.index("--max-model-len") + 1] == "256"
+        assert s.config.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    assert "--data-parallel-size" in att.config.argv
+    assert "--data-parallel-size" not in ffn.config.argv
+
+
+def test_first_mismatch() -> None:
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2
+    assert first_mismatch([], [4]) == 0
+
+
+def test_compare_parity_reports_each_prompt() -> None:
+    base = [Completion("a", "", (1, 2, 3), 0.1), Completion("b", "", (4, 5, 6), 0.1)]
+    cand = [Completion("a", "", (1, 2, 3), 0.1), Completion("b", "", (4, 9, 6), 0.1)]
+    result = compare_parity(base, cand)
+    assert not result.ok
+    assert [p.mismatch_index for p in result.prompts] == [None, 1]
+    assert [p.prompt for p in result.mismatches] == ["b"]
+    assert "DIFF 'b' at token 1" in result.describe()
+    assert compare_parity(base, base).ok
+    with pytest.raises(ValueError, match="same prompts"):
+        compare_parity(base, cand[::-1])
+
+
+def test_parse_param_bytes_per_role_and_rank() -> None:
+    log = (
+        "(Worker_DP0 pid=1) INFO AFD role=attention param_bytes=1000\n"
+        "noise AFD role=ffn param_bytes=52\n"
+        "(Worker_DP1 pid=2) INFO AFD role=attention param_bytes=1001\n"
+    )
+    assert parse_param_bytes(log) == {"attention": (1000, 1001), "ffn": (52,)}
+    assert parse_param_bytes("nothing here") == {}
+
+
+@pytest.mark.timeout(60)
+def test_crashing_server_is_reported_at_once_with_code_and_log(tmp_path: Path) -> None:
+    server = VLLMServer(
+        _config(tmp_path, "import sys; print('fatal: bad flag', flush=True); sys.exit(7)")
+    )
+    server.start()
+    t0 = time.monotonic()
+    with pytest.raises(ServerExitedError) as err:
+        wait_until_healthy([server], poll_interval_s=0.1)
+    assert time.monotonic() - t0 < 30  # far below the 60 s startup timeout
+    assert err.value.exit_code == 7
+    assert "fatal: bad flag" in err.value.log_tail
+    assert "'fake' exited with code 7" in str(err.value)
+    assert server.stop().exit_code == 7
+
+
+@pytest.mark.timeout(60)
+def test_context_manager_surfaces_crash(tmp_path: Path) -> None:
+    with (
+        pytest.raises(ServerExitedError, match="code 3"),
+        VLLMServer(_config(tmp_path, "raise SystemExit(3)")),
+    ):
+        pass
+
+
+@pytest.mark.timeout(60)
+def test_startup_timeout_then_sigterm_stop(tmp_path: Path) -> None:
+    server = VLLMServer(_config(tmp_path, "import time; time.sleep(120)", timeout_s=1.0))
+    server.start()
+    with pytest.raises(ServerStartTimeoutError, match="not healthy after 1s"):
+        wait_until_healthy([server], poll_interval_s=0.1)
+    result = server.stop(timeout_s=20)
+    assert result.exit_code == -signal.SIGTERM
+    assert result.forced is False
+    assert server.stop() is result
+
+
+@pytest.mark.timeout(60)
+def test_stop_escalates_to_sigkill_and_reaps_the_session(tmp_path: Path) -> None:
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', "
+        "'import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(120)'])\n"
+        "print('child', child.pid, flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    server = VLLMServer(_config(tmp_path, code))
+    server.start()
+    deadline = time.monotonic() + 30
+    while "child" not in server.log_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child_pid = int(server.log_text().split()[1])
+    result = server.stop(timeout_s=1)
+    assert result.forced is True
+    assert result.exit_code == -signal.SIGKILL
+    time.sleep(0.2)
+    assert not psutil.pid_exists(child_pid) or (
+        psutil.Process(child_pid).status() == psutil.STATUS_ZOMBIE
+    )
+
+
+@pytest.mark.timeout(60)
+def test_client_against_openai_shaped_server(tmp_path: Path) -> None:
+    with _fake_server(tmp_path) as server:
+        batch = complete_many(server.base_url, ["ab", "abcd", "x"], max_tokens=3, concurrency=2)
+        assert [c.prompt for c in batch.completions] == ["ab", "abcd", "x"]
+        assert [c.token_ids for c in batch.completions] == [(2, 3, 4), (4, 5, 6), (1, 2, 3)]
+        assert batch.completions[1].text == "ABCD"
+        assert batch.generated_tokens == 9
+        with pytest.raises(CompletionError, match="no token_ids"):
+            complete(server.base_url, "no-ids", model="fake-model")
+        with pytest.raises(ValueError, match="max_tokens=0"):
+            complete(server.base_url, "x", model="fake-model", max_tokens=0)
+        assert process_tree_rss(server.pid or 0) > 0
+    assert server.stop_result is not None
+    assert server.stop_result.forced is False
+
+
+def test_process_tree_rss_of_missing_process_is_zero() -> None:
+    assert process_tree_rss(2**22 + 12345) == 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"name": ""}, "name"),
+        ({"argv": ()}, "argv"),
+        ({"port": 0}, "port"),
+        ({"startup_timeout_s": 0}, "startup_timeout_s"),
+    ],
+)
+def test_server_config_validation(tmp_path: Path, kwargs: dict[str, object], field: str) -> None:
+    base: dict[str, object] = {
+        "name": "x",
+        "argv": ("true",),
+        "port": 8000,
+        "log_path": tmp_path / "x.log",
+    }
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=field):
+        ServerConfig(**base)  # type: ignore[arg-type]
+
+
+def test_parity_options_serialize_batch_variant_models_only(tmp_path: Path) -> None:
+    ds = tmp_path / "ds"
+    qw = tmp_path / "qw"
+    for path, model_type in ((ds, "deepseek_v2"), (qw, "qwen3_moe")):
+        path.mkdir()
+        (path / "config.json").write_text(json.dumps({"model_type": model_type}))
+    opts = EngineOptions()
+    assert parity_options(ds, opts).max_num_seqs == 1
+    assert "--max-num-seqs" in parity_options(ds, opts).args()
+    assert parity_options(qw, opts) == opts
+    assert parity_options(tmp_path / "missing", opts) == opts
+    assert parity_options(ds, EngineOptions(max_num_seqs=4)).max_num_seqs == 4

@@ -1,0 +1,161 @@
+"""The only patches AFD applies to vLLM (0.32.x), installed by :func:`apply_vllm_patches`.
+
+1. ``EngineArgs.create_engine_config``: when ``additional_config["afd"]`` is present, replace the
+   platform's default worker class with the AFD worker of the role (see
+   :func:`afd_runtime.workers.afd_worker_qualname`); for the FFN role also disable prefix caching
+   (there is no KV cache to cache into); raise vLLM's default ``shutdown_timeout`` of 0 to
+   :data:`AFD_SHUTDOWN_TIMEOUT_S` so SIGTERM stops workers gracefully instead of force-killing
+   them. Without AFD config: unchanged.
+2. ``EngineCoreProc.run_busy_loop``: for the FFN role, run :func:`ffn_busy_loop` instead of the
+   scheduler loop. It serves only client control requests (health, utility calls, shutdown),
+   polls the workers' service loop every :data:`FFN_POLL_S` seconds and raises its error (the
+   engine then reports itself dead and the process exits non-zero); on SIGTERM it stops the loop
+   and exits with ``SystemExit`` (status 0). Other roles / no AFD: upstream loop.
+
+3. :func:`construction_override`: a scoped replacement of one attribute of a vLLM model module
+   while an AFD model is being constructed (e.g. the sparse-MoE block class a decoder layer
+   instantiates by name), restored on exit, so adapters need not copy upstream constructors.
+
+Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
+not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, Final
+
+from afd_core.config import AFDRole, parse_afd_config
+
+from afd_runtime.vllm_compat import check_vllm_version
+from afd_runtime.workers import afd_worker_qualname
+
+logger = logging.getLogger(__name__)
+
+FFN_POLL_S: Final[float] = 0.5
+#: Default ``shutdown_timeout`` (seconds) for AFD roles when vLLM's default (0) is in effect.
+AFD_SHUTDOWN_TIMEOUT_S: Final[int] = 10
+_MARK: Final[str] = "_afd_patched"
+
+
+def select_afd_worker(vllm_config: Any) -> None:
+    """Point ``parallel_config.worker_cls`` at the AFD worker when AFD is configured."""
+    cfg = parse_afd_config(getattr(vllm_config, "additional_config", None))
+    if cfg is None:
+        return
+    pc = vllm_config.parallel_config
+    current = pc.worker_cls
+    if not isinstance(current, str):
+        raise ValueError(
+            f"parallel_config.worker_cls must be a qualname string for AFD (got {type(current)})"
+        )
+    pc.worker_cls = afd_worker_qualname(cfg.role.value, current)
+    if cfg.role is AFDRole.FFN:
+        # The FFN role has no KV cache; vLLM's prefix-caching coordinator needs one group.
+        vllm_config.cache_config.enable_prefix_caching = False
+    if getattr(vllm_config, "shutdown_timeout", None) == 0:
+        # Give engines time to stop their workers (AFD goodbye, no force kill) on SIGTERM.
+        vllm_config.shutdown_timeout = AFD_SHUTDOWN_TIMEOUT_S
+    logger.info("AFD role=%s worker_cls=%s", cfg.role.value, pc.worker_cls)
+
+
+def _is_ffn(engine_core: Any) -> bool:
+    cfg = parse_afd_config(getattr(engine_core.vllm_config, "additional_config", None))
+    return cfg is not None and cfg.role is AFDRole.FFN
+
+
+def ffn_busy_loop(engine_core: Any) -> None:
+    """The FFN engine's loop: control requests only, plus service-loop health polling."""
+    from vllm.v1.engine import EngineCoreRequestType
+
+    engine_core.collective_rpc("afd_ffn_start")
+    try:
+        while engine_core.is_running():
+            try:
+                req_type, req = engine_core.input_queue.get(timeout=FFN_POLL_S)
+            except queue.Empty:
+                pass
+            else:
+                if req_type == EngineCoreRequestType.ADD:
+                    logger.warning(
+                        "AFD FFN role ignores generation requests; send them to Attention"
+                    )
+                else:
+                    engine_core._handle_client_request(req_type, req)
+            engine_core.collective_rpc("afd_ffn_raise_if_failed")
+        logger.info("AFD FFN engine: shutdown requested, stopping the service loop")
+    finally:
+        engine_core.collective_rpc("afd_ffn_stop")
+    raise SystemExit
+
+
+def apply_vllm_patches() -> None:
+    """Install the patches (idempotent; vLLM 0.32.x only)."""
+    check_vllm_version()
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCoreProc
+
+    original_create = EngineArgs.create_engine_config
+    if not getattr(original_create, _MARK, False):
+
+        @functools.wraps(original_create)
+        def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            vllm_config = original_create(self, *args, **kwargs)
+            select_afd_worker(vllm_config)
+            return vllm_config
+
+        setattr(create_engine_config, _MARK, True)
+        EngineArgs.create_engine_config = create_engine_config
+
+    original_loop = EngineCoreProc.run_busy_loop
+    if not getattr(original_loop, _MARK, False):
+
+        @functools.wraps(original_loop)
+        def run_busy_loop(self: Any) -> None:
+            if _is_ffn(self):
+                ffn_busy_loop(self)
+            return original_loop(self)
+
+        setattr(run_busy_loop, _MARK, True)
+        EngineCoreProc.run_busy_loop = run_busy_loop
+
+
+def patches_applied() -> bool:
+    """True when both patches are installed."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCoreProc
+
+    return bool(
+        getattr(EngineArgs.create_engine_config, _MARK, False)
+        and getattr(EngineCoreProc.run_busy_loop, _MARK, False)
+    )
+
+
+_OVERRIDE_LOCK = threading.RLock()
+
+
+@contextmanager
+def construction_override(module: types.ModuleType, name: str, value: Any) -> Iterator[None]:
+    """Replace ``module.<name>`` with ``value`` for the duration of the block (restored after).
+
+    Only for use while constructing a model; serialised by a process-wide lock. Raises
+    ``AttributeError`` naming the attribute when ``module`` has no such attribute (a vLLM that
+    renamed it), before changing anything.
+    """
+    if not hasattr(module, name):
+        raise AttributeError(
+            f"{module.__name__}.{name} does not exist; this AFD adapter targets vLLM 0.32.x"
+        )
+    with _OVERRIDE_LOCK:
+        original = getattr(module, name)
+        setattr(module, name, value)
+        try:
+            yield
+        finally:
+            setattr(module, name, original)

@@ -1,0 +1,211 @@
+"""Role behaviour shared by the AFD workers of every platform (mixed into the platform worker).
+
+``AFDAttentionWorkerMixin`` keeps vLLM's scheduler, KV cache and sampling untouched; after the
+model is loaded it reports the parameter bytes, connects to its FFN rank and wraps the model's
+``forward`` so that every forward (real, dummy or profiling) is announced to the FFN role and runs
+with the AFD forward metadata installed (afd-core), whose connector is a
+:class:`afd_runtime.pair_connector.PairAttentionConnector`.
+
+``AFDFFNWorkerMixin`` declares no KV cache (vLLM then skips memory profiling and allocates no
+blocks), never runs scheduler-driven steps, and runs :class:`afd_runtime.ffn_service.FFNService`
+instead. The engine polls :meth:`AFDFFNWorkerMixin.afd_ffn_raise_if_failed` (see
+:mod:`afd_runtime.patches`), so a loop failure stops the engine with a non-zero exit.
+
+Invariants: each mixin must precede the vLLM worker class in the MRO; ``shutdown`` is safe to
+call more than once.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
+from afd_core.metadata import AFDPayloadSpec
+
+from afd_runtime.attention_client import AttentionClient
+from afd_runtime.compute import AFDFFNModel, select_ffn_compute
+from afd_runtime.ffn_service import FFNService
+from afd_runtime.pair_connector import PairAttentionConnector
+from afd_runtime.roles import report_param_bytes, require_afd_config, role_rank
+
+logger = logging.getLogger(__name__)
+
+
+def _route_afd_logs_to_vllm() -> None:
+    """Make ``afd_runtime.*`` INFO logs appear in vLLM's log stream (idempotent)."""
+    from vllm.logger import init_logger
+
+    init_logger("vllm.afd")  # ensures vLLM's logging configuration ran
+    afd_logger = logging.getLogger("afd_runtime")
+    if afd_logger.handlers:
+        return
+    for handler in logging.getLogger("vllm").handlers:
+        afd_logger.addHandler(handler)
+    afd_logger.setLevel(logging.INFO)
+    afd_logger.propagate = False
+
+
+_route_afd_logs_to_vllm()
+
+FFN_EXECUTE_ERROR = (
+    "AFD FFN workers are connector-driven; scheduler-driven execute_model() is not supported."
+)
+
+
+def _num_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    input_ids = kwargs.get("input_ids", args[0] if args else None)
+    if input_ids is not None:
+        return int(input_ids.shape[0])
+    embeds = kwargs.get("inputs_embeds")
+    if embeds is not None:
+        return int(embeds.shape[0])
+    positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+    if positions is None:
+        raise ValueError("cannot infer num_tokens: the forward got no input_ids/embeds/positions")
+    return int(positions.shape[-1])
+
+
+def install_step_hook(model: torch.nn.Module, connector: PairAttentionConnector) -> None:
+    """Wrap ``model.forward``: announce the step, install the AFD forward metadata, run.
+
+    Every call runs inside ``connector.client.step(num_tokens)`` and
+    ``set_afd_forward_metadata(AFDForwardMetadata(connector, num_tokens=(n,)))``. Idempotent: a
+    model wrapped once is not wrapped again.
+    """
+    if getattr(model, "_afd_step_hook", False):
+        return
+    inner: Callable[..., Any] = model.forward
+
+    @functools.wraps(inner)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        n = _num_tokens(args, kwargs)
+        meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
+        with connector.client.step(n), set_afd_forward_metadata(meta):
+            return inner(*args, **kwargs)
+
+    model.forward = forward
+    model._afd_step_hook = True  # type: ignore[assignment]
+
+
+class AFDAttentionWorkerMixin:
+    """Attention role: upstream worker + AFD client around every model forward."""
+
+    vllm_config: Any
+    model_runner: Any
+    _afd_connector: PairAttentionConnector | None = None
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        cfg = require_afd_config(self.vllm_config, AFDRole.ATTENTION)
+        rank = role_rank(self.vllm_config, cfg)
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        model = self.model_runner.get_model()
+        report_param_bytes(AFDRole.ATTENTION, model)
+        spec = getattr(model, "afd_payload_spec", None)
+        layers = getattr(model, "afd_moe_layer_indices", None)
+        if not isinstance(spec, AFDPayloadSpec) or not layers:
+            raise TypeError(
+                f"the Attention role loaded {type(model).__qualname__}, which is not an AFD "
+                "Attention model (afd_payload_spec, afd_moe_layer_indices); is the afd-models "
+                "plugin installed?"
+            )
+        connector = PairAttentionConnector(
+            AttentionClient(cfg, rank), payload_spec=spec, num_layers=max(layers) + 1
+        )
+        connector.init()
+        self._afd_connector = connector
+        install_step_hook(model, connector)
+
+    def shutdown(self) -> None:
+        connector, self._afd_connector = self._afd_connector, None
+        if connector is not None:
+            connector.close()
+        super().shutdown()  # type: ignore[misc]
+
+
+class AFDFFNWorkerMixin:
+    """FFN role: no KV cache, no scheduler-driven steps, a connector-driven service loop."""
+
+    vllm_config: Any
+    model_runner: Any
+    _afd_service: FFNService | None = None
+    _afd_config: AFDConfig | None = None
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        return {}
+
+    def determine_available_memory(self) -> int:
+        return 0
+
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        cfg = require_afd_config(self.vllm_config, AFDRole.FFN)
+        rank = role_rank(self.vllm_config, cfg)
+        super().load_model(*args, **kwargs)  # type: ignore[misc]
+        model = self.model_runner.get_model()
+        report_param_bytes(AFDRole.FFN, model)
+        if not isinstance(model, AFDFFNModel):
+            raise TypeError(
+                f"the FFN role loaded {type(model).__qualname__}, which is not an AFD FFN model; "
+                "is the afd-models plugin installed?"
+            )
+        compute = select_ffn_compute(cfg, model, self._afd_step_context)
+        hidden = int(self.vllm_config.model_config.get_hidden_size())
+        self._afd_config = cfg
+        self._afd_service = FFNService(cfg, rank, model.afd_moe_layer_indices, hidden, compute)
+
+    def _afd_step_context(self, num_tokens: int) -> AbstractContextManager[object]:
+        return _vllm_forward_context(self.vllm_config, num_tokens)
+
+    def compile_or_warm_up_model(self) -> Any:
+        from vllm.v1.worker.worker_base import CompilationTimes
+
+        self.afd_ffn_start()
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        # No KV cache on the FFN role: nothing to allocate.
+        self.vllm_config.cache_config.num_gpu_blocks = 0
+
+    def execute_model(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(FFN_EXECUTE_ERROR)
+
+    def execute_dummy_batch(self) -> None:
+        raise RuntimeError(FFN_EXECUTE_ERROR)
+
+    # --- RPCs used by the patched engine loop -------------------------------------------------
+    def afd_ffn_start(self) -> None:
+        """Start the service (idempotent)."""
+        if self._afd_service is None:
+            raise RuntimeError("AFD FFN service not built: load_model() has not run")
+        self._afd_service.start()
+
+    def afd_ffn_raise_if_failed(self) -> None:
+        """Raise the stored service error, if any."""
+        if self._afd_service is not None:
+            self._afd_service.raise_if_failed()
+
+    def afd_ffn_stop(self) -> None:
+        """Stop the service (idempotent)."""
+        if self._afd_service is not None:
+            self._afd_service.stop()
+
+    def shutdown(self) -> None:
+        self.afd_ffn_stop()
+        super().shutdown()  # type: ignore[misc]
+
+
+@contextmanager
+def _vllm_forward_context(vllm_config: Any, num_tokens: int) -> Iterator[None]:
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    with (
+        set_current_vllm_config(vllm_config),
+        set_forward_context(None, vllm_config, num_tokens=num_tokens),
+    ):
+        yield

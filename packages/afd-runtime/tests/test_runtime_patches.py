@@ -1,0 +1,117 @@
+"""Worker selection, the version guard, construction overrides and patch idempotence."""
+
+from __future__ import annotations
+
+import re
+import types
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from afd_runtime import patches
+from afd_runtime.vllm_compat import UnsupportedVLLMError, check_vllm_version
+from afd_runtime.workers import AFD_WORKERS, afd_worker_qualname
+
+CPU = "vllm.v1.worker.cpu_worker.CPUWorker"
+
+
+def test_version_guard() -> None:
+    assert check_vllm_version("0.32.0") == "0.32.0"
+    assert check_vllm_version("0.32.3.dev1") == "0.32.3.dev1"
+    for bad in ("0.31.9", "0.33.0", "1.0.0", "0.3.2"):
+        with pytest.raises(UnsupportedVLLMError, match=re.escape(bad)):
+            check_vllm_version(bad)
+
+
+@pytest.mark.parametrize("platform_worker", sorted(AFD_WORKERS))
+def test_worker_selection_per_platform(platform_worker: str) -> None:
+    attn, ffn = AFD_WORKERS[platform_worker]
+    assert afd_worker_qualname("attention", platform_worker) == attn
+    assert afd_worker_qualname("ffn", platform_worker) == ffn
+    # Already selected (or given with ':'), it is kept.
+    assert afd_worker_qualname("ffn", ffn) == ffn
+    mod, _, cls = ffn.rpartition(".")
+    assert afd_worker_qualname("ffn", f"{mod}:{cls}") == ffn
+
+
+def test_worker_selection_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match=r"parallel_config\.worker_cls='my\.Worker'"):
+        afd_worker_qualname("attention", "my.Worker")
+    with pytest.raises(ValueError, match=r"afd\.role='both'"):
+        afd_worker_qualname("both", CPU)
+    # The attention worker is not a valid FFN worker.
+    with pytest.raises(ValueError, match="worker_cls"):
+        afd_worker_qualname("ffn", AFD_WORKERS[CPU][0])
+
+
+def _vllm_config(afd: dict[str, Any] | None, worker: Any = CPU) -> SimpleNamespace:
+    return SimpleNamespace(
+        additional_config={} if afd is None else {"afd": afd},
+        parallel_config=SimpleNamespace(worker_cls=worker),
+        cache_config=SimpleNamespace(enable_prefix_caching=True),
+        shutdown_timeout=0,
+    )
+
+
+def test_select_afd_worker_leaves_plain_configs_alone() -> None:
+    cfg = _vllm_config(None)
+    patches.select_afd_worker(cfg)
+    assert cfg.parallel_config.worker_cls == CPU
+    assert cfg.cache_config.enable_prefix_caching is True
+    assert cfg.shutdown_timeout == 0
+
+
+def test_select_afd_worker_per_role() -> None:
+    ffn = _vllm_config({"role": "ffn", "port": 1})
+    patches.select_afd_worker(ffn)
+    assert ffn.parallel_config.worker_cls == AFD_WORKERS[CPU][1]
+    assert ffn.cache_config.enable_prefix_caching is False
+    assert ffn.shutdown_timeout == patches.AFD_SHUTDOWN_TIMEOUT_S
+    attn = _vllm_config({"role": "attention", "port": 1})
+    attn.shutdown_timeout = 3
+    patches.select_afd_worker(attn)
+    assert attn.parallel_config.worker_cls == AFD_WORKERS[CPU][0]
+    assert attn.cache_config.enable_prefix_caching is True
+    assert attn.shutdown_timeout == 3
+
+
+def test_select_afd_worker_rejects_class_objects() -> None:
+    with pytest.raises(ValueError, match="worker_cls"):
+        patches.select_afd_worker(_vllm_config({"role": "ffn", "port": 1}, worker=object))
+
+
+def test_construction_override_is_scoped() -> None:
+    mod = types.ModuleType("fake_vllm_models")
+    mod.Block = "upstream"  # type: ignore[attr-defined]
+    with patches.construction_override(mod, "Block", "afd"):
+        assert mod.Block == "afd"  # type: ignore[attr-defined]
+    assert mod.Block == "upstream"  # type: ignore[attr-defined]
+    with pytest.raises(KeyError), patches.construction_override(mod, "Block", "afd"):
+        raise KeyError("boom")
+    assert mod.Block == "upstream"  # type: ignore[attr-defined]
+    with (
+        pytest.raises(AttributeError, match=r"fake_vllm_models\.Missing"),
+        patches.construction_override(mod, "Missing", 1),
+    ):
+        pass
+
+
+def test_apply_patches_is_idempotent() -> None:
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.core import EngineCoreProc
+
+    patches.apply_vllm_patches()
+    first = (EngineArgs.create_engine_config, EngineCoreProc.run_busy_loop)
+    patches.apply_vllm_patches()
+    assert (EngineArgs.create_engine_config, EngineCoreProc.run_busy_loop) == first
+    assert patches.patches_applied()
+
+
+def test_apply_patches_refuses_other_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("vllm")
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    with pytest.raises(UnsupportedVLLMError, match=r"0\.33\.0"):
+        patches.apply_vllm_patches()

@@ -1,0 +1,94 @@
+"""Role resolution, parameter accounting and FFN compute selection."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.errors import AFDConfigError
+from afd_runtime.compute import NativeFusedMoECompute, ffn_compute_name, select_ffn_compute
+from afd_runtime.roles import param_bytes, require_afd_config, role_rank
+
+
+def _vllm_config(afd: dict[str, Any] | None, dp_rank: int = 0, tp: int = 1) -> SimpleNamespace:
+    return SimpleNamespace(
+        additional_config={} if afd is None else {"afd": afd},
+        parallel_config=SimpleNamespace(
+            data_parallel_index=dp_rank, tensor_parallel_size=tp, pipeline_parallel_size=1
+        ),
+    )
+
+
+def test_require_afd_config() -> None:
+    cfg = require_afd_config(_vllm_config({"role": "ffn", "port": 9}), AFDRole.FFN)
+    assert cfg.role is AFDRole.FFN and cfg.port == 9
+    with pytest.raises(ValueError, match=r"additional_config\['afd'\] is missing"):
+        require_afd_config(_vllm_config(None), AFDRole.FFN)
+    with pytest.raises(ValueError, match=r"\['role'\]='attention'"):
+        require_afd_config(_vllm_config({"role": "attention", "port": 9}), AFDRole.FFN)
+
+
+def test_role_rank_is_the_data_parallel_rank() -> None:
+    afd = {"role": "attention", "port": 9, "num_attention_ranks": 2}
+    cfg = AFDConfig.from_mapping(afd)
+    assert role_rank(_vllm_config(afd, dp_rank=1), cfg) == 1
+    with pytest.raises(ValueError, match="num_attention_ranks=2"):
+        role_rank(_vllm_config(afd, dp_rank=2), cfg)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        role_rank(_vllm_config(afd, tp=2), cfg)
+
+
+def test_param_bytes_counts_shared_parameters_once_and_no_buffers() -> None:
+    m = torch.nn.Module()
+    m.a = torch.nn.Linear(4, 3, bias=False)
+    m.b = torch.nn.Linear(3, 2, bias=True).to(torch.bfloat16)
+    m.tied = m.a  # same parameters under a second name
+    m.register_buffer("buf", torch.zeros(5, dtype=torch.int64))
+    assert param_bytes(m) == 4 * 3 * 4 + (3 * 2 + 2) * 2
+
+
+class _Model:
+    afd_moe_layer_indices = (0,)
+
+    def afd_ffn_forward(
+        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        return hidden_states * 2 if layer_idx == 0 else hidden_states[:1]
+
+
+class _Ctx:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def __call__(self, n: int) -> Any:
+        self.calls.append(n)
+        return torch.no_grad()
+
+
+def test_native_compute_runs_in_the_step_context() -> None:
+    cfg = AFDConfig.from_mapping({"role": "ffn", "port": 9})
+    ctx = _Ctx()
+    compute = select_ffn_compute(cfg, _Model(), ctx)
+    assert isinstance(compute, NativeFusedMoECompute)
+    x = torch.arange(6.0).reshape(3, 2)
+    assert torch.equal(compute(0, x, None), x * 2)
+    assert ctx.calls == [3]
+    with pytest.raises(RuntimeError, match=r"layer 1 returned shape=\(1, 2\)"):
+        compute(1, x, None)
+
+
+def test_compute_selection_errors() -> None:
+    def cfg(extra: dict[str, Any]) -> AFDConfig:
+        return AFDConfig.from_mapping({"role": "ffn", "port": 9, "connector_extra_config": extra})
+
+    assert ffn_compute_name(cfg({})) == "native"
+    for name in ("layered", "mega", "bogus"):
+        with pytest.raises(AFDConfigError) as err:
+            ffn_compute_name(cfg({"ffn_compute": name}))
+        assert err.value.field == "connector_extra_config.ffn_compute"
+        assert err.value.value == name
+    with pytest.raises(TypeError, match="AFDFFNModel"):
+        select_ffn_compute(cfg({}), object(), _Ctx())  # type: ignore[arg-type]
