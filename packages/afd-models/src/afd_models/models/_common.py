@@ -191,3 +191,35 @@ class AFDFFNCausalLM(nn.Module):
         loaded = set(loader.load_weights(kept, mapper=self._mapper))
         self.afd_param_bytes = param_bytes(self)  # before vLLM's post-load repacking
         return loaded
+
+
+class AFDRoleModelMixin:
+    """Shared top of every AFD ``*ForCausalLM`` adapter (put it first in the bases).
+
+    * Construction on the FFN role returns the FFN-only model that
+      :meth:`_afd_build_ffn_model` builds instead of the upstream class.
+    * ``load_weights`` on the Attention role drops every checkpoint tensor the adapter's
+      classifier (``self._afd_classify``, ``None`` without AFD) assigns elsewhere, in one pass,
+      then records ``afd_param_bytes`` before vLLM's post-load processing repacks weights.
+    """
+
+    _afd_classify: Classifier | None = None
+
+    @staticmethod
+    def _afd_build_ffn_model(vllm_config: Any, prefix: str) -> nn.Module:
+        raise NotImplementedError
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+        vllm_config = kwargs.get("vllm_config")
+        if afd_role_of(vllm_config) is AFDRole.FFN:
+            return cls._afd_build_ffn_model(vllm_config, kwargs.get("prefix", ""))
+        return super().__new__(cls)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self._afd_classify is not None:
+            weights = filter_role_weights(weights, AFDRole.ATTENTION, self._afd_classify)
+        loaded: set[str] = super().load_weights(weights)  # type: ignore[misc]
+        # Measured here, before vLLM's post-load processing (CPU repacks linear weights into
+        # kernel-private buffers and leaves empty Parameters behind).
+        self.afd_param_bytes = param_bytes(self)  # type: ignore[arg-type]
+        return loaded

@@ -16,13 +16,10 @@ are upstream's, unchanged.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-from afd_core.config import AFDRole
 from afd_runtime.patches import construction_override
-from afd_runtime.roles import param_bytes
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
@@ -31,11 +28,11 @@ from vllm.model_executor.models import deepseek_v2 as upstream
 from afd_models._weight_utils import (
     WeightOwner,
     classify_moe_weight,
-    filter_role_weights,
     layer_index,
 )
 from afd_models.models._common import (
     AFDFFNCausalLM,
+    AFDRoleModelMixin,
     FFNMoEBlock,
     RemoteMoEBlock,
     afd_config_of,
@@ -188,15 +185,12 @@ def build_ffn_block(vllm_config: VllmConfig, prefix: str, gate_on_attention: boo
     )
 
 
-class AFDDeepseekV2ForCausalLM(upstream.DeepseekV2ForCausalLM):
+class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM):
     """``DeepseekV2ForCausalLM`` that builds only its role's half under AFD."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        vllm_config = kwargs.get("vllm_config")
-        afd = afd_config_of(vllm_config) if vllm_config is not None else None
-        if afd is not None and afd.role is AFDRole.FFN:
-            return _build_ffn_model(vllm_config, kwargs.get("prefix", ""))
-        return super().__new__(cls)
+    @staticmethod
+    def _afd_build_ffn_model(vllm_config: Any, prefix: str) -> nn.Module:
+        return _build_ffn_model(vllm_config, prefix)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         afd = afd_config_of(vllm_config)
@@ -223,15 +217,6 @@ class AFDDeepseekV2ForCausalLM(upstream.DeepseekV2ForCausalLM):
             gate_on_attention=afd.compute_gate_on_attention,
             router_dtype=upstream._get_moe_router_dtype(config),
         )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if self._afd_classify is not None:
-            weights = filter_role_weights(weights, AFDRole.ATTENTION, self._afd_classify)
-        loaded = super().load_weights(weights)
-        # Measured here, before vLLM's post-load processing (CPU repacks linear weights into
-        # kernel-private buffers and leaves empty Parameters behind).
-        self.afd_param_bytes = param_bytes(self)
-        return loaded
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):

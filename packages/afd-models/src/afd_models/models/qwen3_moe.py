@@ -9,12 +9,8 @@ upstream's, unchanged. With the Attention role, sparse-MoE blocks become
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
-import torch
-from afd_core.config import AFDRole
-from afd_runtime.roles import param_bytes
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
@@ -25,9 +21,10 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models import qwen3_moe as upstream
 from vllm.model_executor.models.utils import extract_layer_index, maybe_prefix
 
-from afd_models._weight_utils import WeightOwner, classify_moe_weight, filter_role_weights
+from afd_models._weight_utils import WeightOwner, classify_moe_weight
 from afd_models.models._common import (
     AFDFFNCausalLM,
+    AFDRoleModelMixin,
     FFNMoEBlock,
     RemoteMoEBlock,
     afd_config_of,
@@ -175,15 +172,12 @@ class AFDQwen3MoeAttnDecoderLayer(upstream.Qwen3MoeDecoderLayer):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
 
-class AFDQwen3MoeForCausalLM(upstream.Qwen3MoeForCausalLM):
+class AFDQwen3MoeForCausalLM(AFDRoleModelMixin, upstream.Qwen3MoeForCausalLM):
     """``Qwen3MoeForCausalLM`` that builds only its role's half under AFD."""
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> Any:
-        vllm_config = kwargs.get("vllm_config")
-        afd = afd_config_of(vllm_config) if vllm_config is not None else None
-        if afd is not None and afd.role is AFDRole.FFN:
-            return _build_ffn_model(vllm_config, kwargs.get("prefix", ""))
-        return super().__new__(cls)
+    @staticmethod
+    def _afd_build_ffn_model(vllm_config: Any, prefix: str) -> nn.Module:
+        return _build_ffn_model(vllm_config, prefix)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         afd = afd_config_of(vllm_config)
@@ -229,15 +223,6 @@ class AFDQwen3MoeForCausalLM(upstream.Qwen3MoeForCausalLM):
             num_experts=config.num_experts,
             gate_on_attention=afd.compute_gate_on_attention,
         )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if self._afd_classify is not None:
-            weights = filter_role_weights(weights, AFDRole.ATTENTION, self._afd_classify)
-        loaded = super().load_weights(weights)
-        # Measured here, before vLLM's post-load processing (CPU repacks linear weights into
-        # kernel-private buffers and leaves empty Parameters behind).
-        self.afd_param_bytes = param_bytes(self)
-        return loaded
 
 
 def _build_ffn_model(vllm_config: VllmConfig, prefix: str) -> AFDFFNCausalLM:
