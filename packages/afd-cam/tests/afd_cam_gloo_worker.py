@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from afd_cam import CAMStageLayout, prepare_stage_inputs, restore_stage_outputs, torch_row_gather
+from afd_cam import CAMStageLayout, prepare_stage_inputs, restore_stage_outputs
+from afd_core.collectives import torch_row_gather
 
 COUNTS = (5, 3)
 WIDTH = 4

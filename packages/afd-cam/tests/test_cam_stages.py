@@ -20,7 +20,7 @@ from afd_cam import (
     restore_stage_outputs,
     split_replicated,
 )
-from afd_cam.gather import RowGather
+from afd_core.collectives import RowGather
 from hypothesis import given, settings
 from hypothesis import strategies as st
 

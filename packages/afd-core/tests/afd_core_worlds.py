@@ -456,3 +456,20 @@ def roundtrip_by_role(proc: int, port: int, a: int, f: int, *args: Any) -> dict[
     """Process 0 hosts the Attention ranks, process 1 the FFN ranks (one thread per rank)."""
     ranks = range(a) if proc == 0 else range(a, a + f)
     return run_threads(roundtrip_rank, ranks, port, a, f, *args)
+
+
+def row_gather(rank: int, port: int, world_size: int) -> list[list[float]]:
+    """All-gather rank-dependent rows of uneven content through ``torch_row_gather``."""
+    import torch.distributed as dist
+    from afd_core.collectives import torch_row_gather
+
+    store = dist.TCPStore("127.0.0.1", port, world_size, rank == 0)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
+    try:
+        local = torch.arange(6, dtype=torch.float32).reshape(3, 2) + 100 * rank
+        gathered = torch_row_gather(None)(local)
+        empty = torch_row_gather(dist.group.WORLD)(torch.empty(0, 2))
+        assert empty.shape == (0, 2)
+        return gathered.tolist()
+    finally:
+        dist.destroy_process_group()

@@ -8,13 +8,13 @@ Submodules (importing this package imports none of vLLM):
   :func:`split_replicated` (layout conversion, padding, restoration).
 * :mod:`afd_cam.handoff` -- :class:`ReceiveHandoff`, :func:`run_staged_pipeline`,
   :func:`pipeline_order` (when each dispatched stage is received).
-* :mod:`afd_cam.gather` -- the TP row all-gather (:func:`torch_row_gather`).
+
+The TP row all-gather they take is :mod:`afd_core.collectives` (shared with afd-remote).
 """
 
 from importlib.metadata import version as _version
 
 from afd_cam.errors import AFDCamError, AFDCamHandoffError
-from afd_cam.gather import RowGather, torch_row_gather
 from afd_cam.handoff import PipelineStep, ReceiveHandoff, pipeline_order, run_staged_pipeline
 from afd_cam.layout import CAMStage, CAMStageLayout
 from afd_cam.stages import (
@@ -34,12 +34,10 @@ __all__ = [
     "CAMStageLayout",
     "PipelineStep",
     "ReceiveHandoff",
-    "RowGather",
     "__version__",
     "pipeline_order",
     "prepare_stage_inputs",
     "restore_stage_outputs",
     "run_staged_pipeline",
     "split_replicated",
-    "torch_row_gather",
 ]

@@ -21,9 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from afd_core.collectives import RowGather
 
 from afd_cam.errors import AFDCamError
-from afd_cam.gather import RowGather
 from afd_cam.layout import CAMStageLayout
 
 

@@ -18,11 +18,9 @@ from afd_remote.proxy import RemoteFFNProxy, RemoteFFNTransfer
 from afd_remote.routed_padding import (
     RoutedDispatchLayout,
     RoutedTPPadding,
-    RowGather,
     plan_routed_dispatch,
     restore_dispatched_output,
     slice_for_dispatch,
-    torch_row_gather,
 )
 from afd_remote.routing import RoutingFunction, softmax_topk
 
@@ -36,12 +34,10 @@ __all__ = [
     "RoutedDispatchLayout",
     "RoutedTPPadding",
     "RoutingFunction",
-    "RowGather",
     "UnsupportedPayloadFieldError",
     "__version__",
     "plan_routed_dispatch",
     "restore_dispatched_output",
     "slice_for_dispatch",
     "softmax_topk",
-    "torch_row_gather",
 ]

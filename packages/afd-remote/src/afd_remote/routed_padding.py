@@ -22,15 +22,14 @@ vLLM's ``get_tp_group().device_group`` at runtime).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from afd_core.collectives import RowGather, torch_row_gather
 
 from afd_remote.errors import AFDRemoteError
 
-RowGather = Callable[[torch.Tensor], torch.Tensor]
 """All-gathers equal-shaped tensors along dim 0 across the TP group, in rank order."""
 
 
@@ -153,22 +152,6 @@ def restore_dispatched_output(
     gathered = gather(local_output)
     _check_rows("gathered_output", gathered, layout.padded_tokens)
     return gathered[: layout.parent_tokens]
-
-
-def torch_row_gather(group: dist.ProcessGroup | None) -> RowGather:
-    """Return a :data:`RowGather` over ``group`` using ``torch.distributed.all_gather_single``.
-
-    ``group=None`` means the default (world) group, as in ``torch.distributed``.
-    """
-
-    def gather(local: torch.Tensor) -> torch.Tensor:
-        world = dist.get_world_size(group)
-        local = local.contiguous()
-        out = local.new_empty((local.shape[0] * world, *local.shape[1:]))
-        dist.all_gather_single(out, local, group=group)
-        return out
-
-    return gather
 
 
 class RoutedTPPadding:

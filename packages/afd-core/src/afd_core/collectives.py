@@ -1,8 +1,8 @@
-"""The TP row all-gather used by the CAM layout conversions.
+"""The TP row all-gather shared by the Attention-side helpers (afd-remote, afd-cam).
 
-Layout functions take a :data:`RowGather` callable instead of a process group so they can be
-tested without ``torch.distributed``; :func:`torch_row_gather` binds one to a real group (gloo in
-tests, vLLM's ``get_tp_group().device_group`` at runtime; this package never imports vLLM).
+Layout code takes a :data:`RowGather` callable instead of a process group, so it can be tested
+without ``torch.distributed``; :func:`torch_row_gather` binds one to a real group (gloo in tests,
+vLLM's ``get_tp_group().device_group`` at runtime; this package never imports vLLM).
 """
 
 from __future__ import annotations
@@ -17,7 +17,10 @@ RowGather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def torch_row_gather(group: dist.ProcessGroup | None) -> RowGather:
-    """Return a :data:`RowGather` over ``group`` (None = the default world group)."""
+    """Return a :data:`RowGather` over ``group`` using ``torch.distributed.all_gather_single``.
+
+    ``group=None`` means the default (world) group, as in ``torch.distributed``.
+    """
 
     def gather(local: torch.Tensor) -> torch.Tensor:
         world = dist.get_world_size(group)
