@@ -473,3 +473,116 @@ def row_gather(rank: int, port: int, world_size: int) -> list[list[float]]:
         return gathered.tolist()
     finally:
         dist.destroy_process_group()
+
+
+def recv_ahead_rank(rank: int, port: int, side_port: int) -> dict[str, Any]:
+    """1:1 world, 3 layers: the FFN rank's early receives (``recv_ahead``).
+
+    1. Step 0: the Attention rank's layer-0 send completes *before* the FFN rank calls
+       ``recv_attn_output`` (the FFN rank waits for a side-channel key the Attention rank sets
+       only after its send work finished): only a receive posted at ``recv_control`` allows it.
+    2. Step 1 stops after layer 0 (a receive stays posted); step 2 announces the same count, so
+       the posted receive is kept and every layer arrives exactly.
+    3. Step 3 stops after layer 0; step 4 announces another count: the FFN rank raises
+       :class:`AFDProtocolError` naming the stage, the Attention rank a peer error.
+    """
+    import torch.distributed as dist
+
+    topo = AFDTopology(1, 1)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, 1, 1, timeout_s=20.0)
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=3)
+    side = dist.TCPStore("127.0.0.1", side_port, 2, rank == 0, timedelta_s(30))
+    conn.init()
+    out: dict[str, Any] = {"exact": [], "posted_after": []}
+
+    def data(step: int, layer: int, n: int) -> torch.Tensor:
+        return torch.full((n, 8), float(step * 10 + layer))
+
+    def attention_step(step: int, n: int, layers: int) -> None:
+        conn.send_control(AFDControlMessage(((n,),)))
+        for layer in range(layers):
+            handle = conn.send_attn_output(
+                AFDPayload(data(step, layer, n)), AFDTransferMetadata(layer, 0, (n,))
+            )
+            if step == 0 and layer == 0:
+                for work in handle.state.send_works:
+                    work.wait(timedelta_s(10))
+                handle.state.send_works = []  # a gloo work completes one wait only
+                side.set("sent", "1")
+            reply = conn.recv_ffn_output(handle)
+            out["exact"].append(torch.equal(reply, data(step, layer, n) + 1))
+
+    def ffn_step(step: int, layers: int) -> None:
+        ctl = conn.recv_control()
+        if step == 0:
+            side.wait(["sent"], timedelta_s(20))
+        for layer in range(layers):
+            meta = ctl.transfer_metadata(layer, 0)
+            (payload,) = conn.recv_attn_output(meta)
+            out["exact"].append(
+                torch.equal(payload.hidden_states, data(step, layer, meta.num_tokens[0]))
+            )
+            conn.send_ffn_output([payload.hidden_states + 1], meta)
+            out["posted_after"].append((step, layer, sorted(s for s, _ in conn._posted)))
+
+    try:
+        for step, (n, layers) in enumerate([(4, 3), (4, 1), (4, 3), (4, 1), (5, 3)]):
+            if role is AFDRole.ATTENTION:
+                attention_step(step, n, layers)
+            else:
+                ffn_step(step, layers)
+        out["error"] = None
+    except AFDError as err:
+        out["error"] = _err(err)
+        out["error_step"] = step
+    out["initialized_after"] = conn.is_initialized
+    conn.close()
+    return out
+
+
+def timedelta_s(seconds: float) -> Any:
+    from datetime import timedelta
+
+    return timedelta(seconds=seconds)
+
+
+def stream_rank(rank: int, port: int) -> dict[str, Any]:
+    """1:1 world, 4 layers, sequence check on: each step the Attention rank sends every layer
+    before it waits for a reply and the FFN rank receives every layer before it replies (the
+    receive-ahead stream mode); the second step's count differs (nothing left posted)."""
+    topo = AFDTopology(1, 1)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, 1, 1, timeout_s=20.0, connector_extra_config={"check_sequence": True})
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=4)
+    conn.init()
+    exact: list[bool] = []
+    for step, n in enumerate((3, 6)):
+        if role is AFDRole.ATTENTION:
+            conn.send_control(AFDControlMessage(((n,),)))
+            handles = [
+                conn.send_attn_output(
+                    AFDPayload(torch.full((n, 8), float(step * 10 + layer))),
+                    AFDTransferMetadata(layer, 0, (n,)),
+                )
+                for layer in range(4)
+            ]
+            for layer, handle in enumerate(handles):
+                reply = conn.recv_ffn_output(handle)
+                exact.append(torch.equal(reply, torch.full((n, 8), -float(step * 10 + layer))))
+        else:
+            ctl = conn.recv_control()
+            got = [conn.recv_attn_output(ctl.transfer_metadata(layer, 0)) for layer in range(4)]
+            for layer, (payload,) in enumerate(got):
+                want = torch.full((n, 8), float(step * 10 + layer))
+                exact.append(torch.equal(payload.hidden_states, want))
+                conn.send_ffn_output([-payload.hidden_states], ctl.transfer_metadata(layer, 0))
+            exact.append(not conn._posted)  # nothing posted past the last layer
+    if role is AFDRole.ATTENTION:
+        conn.send_control(AFDControlMessage.shutdown_message())
+    else:
+        conn.recv_control()
+    conn.close()
+    return {"exact": exact}

@@ -40,8 +40,9 @@ def ok(results: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
         (2, 1, {"check_sequence": True}),
         (3, 2, {"reuse_buffers": True}),
         (4, 2, None),
+        (2, 1, {"recv_ahead": False, "reuse_buffers": True}),
     ],
-    ids=["1to1", "2to1", "3to2", "4to2"],
+    ids=["1to1", "2to1", "3to2", "4to2", "2to1-no-recv-ahead"],
 )
 def test_roundtrip_every_variant_exact(a: int, f: int, extra: dict[str, Any] | None) -> None:
     variants = list(worlds.VARIANTS)
@@ -70,7 +71,8 @@ def test_roundtrip_every_variant_exact(a: int, f: int, extra: dict[str, Any] | N
             assert report["role"] == "attention"
             assert report["checked"] == per_transfer
             if extra and extra.get("reuse_buffers"):
-                assert set(report["reply_buffers_per_step"]) == {1}
+                # Three kept reply buffers per stage, used in turn.
+                assert set(report["reply_buffers_per_step"]) == {min(3, worlds.NUM_LAYERS)}
         else:
             served = len(range((rank - a) * a // f, (rank - a + 1) * a // f))
             assert report["role"] == "ffn"
@@ -239,7 +241,7 @@ def test_handshake_fields_cover_contract() -> None:
     fields = conn.handshake_fields()
     assert fields["hidden_size"] == 8 and fields["dtype"] == "bfloat16"
     assert fields["num_layers"] == 5 and fields["topology"] == [3, 2]
-    assert fields["protocol_version"] == 1
+    assert fields["protocol_version"] == 2
     assert fields["config_hash"] == conn.config.agreement_hash()
     assert set(fields["payload_spec"]) == {"hidden_states", "topk_ids", "topk_weights"}
     assert conn.served_world_ranks == (1, 2)
@@ -274,3 +276,68 @@ def test_send_control_validates_before_io() -> None:
         assert info.value.field == "message"
     finally:
         conn._initialized = False
+
+
+@pytest.mark.timeout(90)
+def test_recv_ahead_posts_early_keeps_or_rejects_leftovers() -> None:
+    results = ok(run_world(worlds.recv_ahead_rank, 2, free_port(), free_port(), timeout_s=80))
+    attn, ffn = results[0], results[1]
+    # Steps 0-3 arrive exactly, on both sides.
+    assert attn["exact"] == [True] * 8 and ffn["exact"] == [True] * 8
+    # The next layer's receive is posted after each layer but the last; a step that stops
+    # early leaves it posted (step 1), and the next step with the same count consumes it.
+    assert ffn["posted_after"] == [
+        (0, 0, [0]),
+        (0, 1, [0]),
+        (0, 2, []),
+        (1, 0, [0]),
+        (2, 0, [0]),
+        (2, 1, [0]),
+        (2, 2, []),
+        (3, 0, [0]),
+    ]
+    # Step 4 changes the count of a stage the FFN rank still has a receive posted for: the
+    # Attention rank refuses before sending anything (gloo would abort the FFN process on a
+    # size mismatch), the FFN rank is released with a peer error naming it.
+    assert attn["error_step"] == 4 and attn["error"]["type"] == "AFDProtocolError"
+    assert "stage 0: the FFN rank still has a receive posted for 4 tokens" in attn["error"]["msg"]
+    assert "this step announces 5" in attn["error"]["msg"]
+    assert ffn["error_step"] == 4 and ffn["error"]["type"] == "AFDPeerError"
+    assert ffn["error"]["rank"] == 0
+    assert attn["initialized_after"] is False and ffn["initialized_after"] is False
+
+
+def test_recv_ahead_extra_config() -> None:
+    conn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=2)
+    assert conn.recv_ahead is True
+    c = AFDConfig.from_mapping({"role": "ffn", "connector_extra_config": {"recv_ahead": False}})
+    assert P2PConnector(c, payload_spec=spec(), num_layers=2).recv_ahead is False
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping({"role": "ffn", "connector_extra_config": {"recv_ahead": 0}})
+    assert info.value.field == "connector_extra_config.recv_ahead"
+
+
+def test_ffn_rejects_a_step_that_conflicts_with_a_posted_receive() -> None:
+    from afd_core.errors import AFDProtocolError
+    from afd_core.p2p import _PostedRecv
+
+    conn = P2PConnector(
+        AFDConfig(role=AFDRole.FFN, num_attention_ranks=2), payload_spec=spec(), num_layers=3
+    )
+    conn._initialized = True  # the check runs before the (absent) group is touched
+    conn._posted[(0, 1)] = _PostedRecv(4)  # stage 0, world rank 1 (Attention rank 1)
+    # Same count for that rank (the other rank's count is free): kept, nothing new posted
+    # because recv_ahead posting needs a group; disable it to test the check alone.
+    conn.recv_ahead = False
+    conn._post_step_recvs(AFDControlMessage(((9, 4),)))
+    assert list(conn._posted) == [(0, 1)]
+    with pytest.raises(AFDProtocolError, match=r"receive posted for 4 tokens from world rank 1"):
+        conn._post_step_recvs(AFDControlMessage(((4, 5),)))
+    assert not conn.is_initialized and conn._posted == {}
+
+
+@pytest.mark.timeout(60)
+def test_stream_of_layers_before_replies_is_exact() -> None:
+    results = ok(run_world(worlds.stream_rank, 2, free_port(), timeout_s=50))
+    assert results[0]["exact"] == [True] * 8
+    assert results[1]["exact"] == [True] * 10

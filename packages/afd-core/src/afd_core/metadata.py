@@ -90,6 +90,8 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def _is_count(value: Any) -> bool:
+    if type(value) is int:  # the common case first (hot path: once per transfer)
+        return value >= 0
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
@@ -102,15 +104,15 @@ class AFDTransferMetadata:
     num_tokens: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        for name in ("layer_idx", "stage_idx"):
-            value = getattr(self, name)
-            if not _is_count(value):
-                raise AFDPayloadError(name, value, "a non-negative int")
+        if not _is_count(self.layer_idx):
+            raise AFDPayloadError("layer_idx", self.layer_idx, "a non-negative int")
+        if not _is_count(self.stage_idx):
+            raise AFDPayloadError("stage_idx", self.stage_idx, "a non-negative int")
         counts = self.num_tokens
         if isinstance(counts, list):
             counts = tuple(counts)
             object.__setattr__(self, "num_tokens", counts)
-        if not isinstance(counts, tuple) or not counts or not all(_is_count(c) for c in counts):
+        if not isinstance(counts, tuple) or not counts or not all(map(_is_count, counts)):
             raise AFDPayloadError(
                 "num_tokens", self.num_tokens, "a non-empty tuple of non-negative ints"
             )
@@ -136,6 +138,14 @@ class AFDPayload:
     input_ids: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if (  # the common case first (hot path: once per transfer)
+            self.router_logits is None
+            and self.topk_ids is None
+            and self.topk_weights is None
+            and self.input_ids is None
+            and isinstance(self.hidden_states, torch.Tensor)
+        ):
+            return
         for name in PAYLOAD_FIELDS:
             value = getattr(self, name)
             if value is None and name != "hidden_states":
@@ -294,7 +304,8 @@ class AFDPayloadSpec:
             if tuple(tensor.shape) != expected:
                 raise AFDPayloadError(label, tuple(tensor.shape), f"shape {expected}")
             raise AFDPayloadError(label, tensor.dtype, f"dtype {spec.dtype}")
-        if tensor.device.type != device_type:
+        # ``is_cpu`` is much cheaper than building ``tensor.device`` (hot path).
+        if (not tensor.is_cpu) if device_type == "cpu" else tensor.device.type != device_type:
             label = spec.name if name is None else name
             raise AFDPayloadError(label, str(tensor.device), f"a {device_type} tensor")
 

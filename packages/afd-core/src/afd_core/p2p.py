@@ -21,6 +21,19 @@ receive of the reply, and returns (``recv_ffn_output`` only waits), so two stage
 (DBO). The FFN rank receives from each served Attention rank and sends back
 ``[tokens_i, hidden]``. Zero-token peers move no bytes.
 
+Receive-ahead (FFN side, ``recv_ahead``, on by default). A gloo receive notifies the sender,
+which writes the data at once if the receive was posted first and otherwise waits for that
+notice: posting late costs a network round trip per transfer. The control message tells the FFN
+rank every stage's token counts for the whole step, so it posts each stage's first receive as
+soon as the control message arrives, and the receive of layer ``l + 1`` together with the
+reply of layer ``l`` of that stage (or, when the caller receives several layers before replying,
+when it asks for layer ``l``), up to layer ``num_layers - 1``. The next step's control receive is likewise posted when a step's
+control message arrives, and ``send_control`` does not wait for its message. Matching on
+the wire is unchanged (first message on a (peer, tag) goes to the first receive); only the
+moment the receive is posted moves. A step that stops before its last layer leaves a receive
+posted: the next control message keeps it when that stage's counts are unchanged and otherwise
+fails with :class:`AFDProtocolError`, because a posted gloo receive cannot be withdrawn.
+
 Invariants:
 * Shapes, dtypes, devices, token counts (against the announced control counts) and layer index
   are validated before any byte is sent.
@@ -46,6 +59,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from afd_core.buffers import RecvBufferPool
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnectorBase, AFDTransferHandle
 from afd_core.errors import (
@@ -78,19 +92,21 @@ __all__ = [
     "make_process_group",
 ]
 
-PROTOCOL_VERSION = 1
-"""Version of the P2P wire protocol (handshake, tags, message layout)."""
+PROTOCOL_VERSION = 2
+"""Version of the P2P wire protocol (handshake, tags, message layout).
+
+2: the ``check_sequence`` header has a tag per stage (receives may be posted ahead)."""
 
 CONTROL_WORDS = 64
 """Fixed length (int64 words) of a control message on the wire (room for 59 stages)."""
 
 _CONTROL_TAG = 1
-_SEQ_TAG = 2
+_SEQ_FIELD = 7  # the sequence header takes the last of the 8 per-stage field slots
 _DATA_TAG_BASE = 64
 _LONG_WAIT = timedelta(days=30)
 
 _BACKENDS: Mapping[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-_EXTRA_KEYS = frozenset({"check_sequence", "reuse_buffers"})
+_EXTRA_KEYS = frozenset({"check_sequence", "recv_ahead", "reuse_buffers"})
 
 
 def backend_for_device(device: torch.device | str) -> str:
@@ -141,6 +157,18 @@ class _PendingRecv:
         self.buffer: torch.Tensor | None = None
 
 
+class _PostedRecv:
+    """FFN side: the posted receive of one stage's next transfer from one Attention rank."""
+
+    __slots__ = ("header", "num_tokens", "tensors", "works")
+
+    def __init__(self, num_tokens: int) -> None:
+        self.num_tokens = num_tokens
+        self.header: torch.Tensor | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.works: list[Any] = []
+
+
 class P2PConnector(AFDConnectorBase):
     """Point-to-point AFD connector on torch.distributed (see the module docstring)."""
 
@@ -149,13 +177,18 @@ class P2PConnector(AFDConnectorBase):
 
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
-        """Accepted keys (both bool, default false):
+        """Accepted keys (all bool):
 
-        * ``check_sequence``: send a 3-word header (layer, stage, tokens) before every Attention
-          payload and verify it on the FFN side (catches out-of-order calls).
-        * ``reuse_buffers``: receive into per-(stage, peer, field) buffers kept by the connector
-          instead of fresh tensors. A returned tensor is then only valid until the next receive
-          of the same stage (and peer): consume or copy it before that.
+        * ``check_sequence`` (default false): send a 3-word header (layer, stage, tokens) before
+          every Attention payload and verify it on the FFN side (catches out-of-order calls).
+        * ``recv_ahead`` (default true): the FFN side posts each stage's next receive early (see
+          the module docstring). Set false for call patterns where a step ends before layer
+          ``num_layers - 1`` and the next step changes that stage's token counts.
+        * ``reuse_buffers`` (default false): receive into buffers kept by the connector (three
+          per stage, peer and field, used in turn: stable addresses) instead of recycled ones
+          (see :mod:`afd_core.buffers`). A returned tensor is then only valid until the next
+          receive call of the same stage returns (Attention side: until the next
+          ``recv_ffn_output`` of that stage returns): consume or copy it before.
         """
         out: dict[str, Any] = {}
         for key, value in extra.items():
@@ -193,7 +226,23 @@ class P2PConnector(AFDConnectorBase):
         self._device_type = self.device.type
         self.check_sequence = bool(config.connector_extra_config.get("check_sequence", False))
         self.reuse_buffers = bool(config.connector_extra_config.get("reuse_buffers", False))
-        self._pool: dict[tuple[int, ...], torch.Tensor] = {}
+        self.recv_ahead = bool(config.connector_extra_config.get("recv_ahead", True))
+        # Hot-path constants: (field name, index) in wire order, and the reply's width/dtype.
+        self._wire_fields = tuple((f.name, i) for i, f in enumerate(payload_spec.fields))
+        self._out_dtype = payload_spec.dtype
+        self._hidden = payload_spec.hidden_size
+        self._reply_spec = payload_spec.fields[0]
+        self._buffers = RecvBufferPool(self.device, keep=self.reuse_buffers)
+        # FFN side: (stage, Attention world rank) -> receive posted ahead. Attention side: the
+        # same rule mirrored, stage -> token count the FFN rank has a receive posted for.
+        self._posted: dict[tuple[int, int], _PostedRecv] = {}
+        self._after_reply: dict[int, tuple[int, ...]] = {}  # FFN: stage -> counts to post
+        self._unreplied: set[int] = set()  # FFN: stages received but not yet replied to
+        self._peer_posted: dict[int, int] = {}
+        self._last_received: AFDTransferMetadata | None = None  # FFN: of the last receive
+        # Attention side: the control send still in flight; FFN side: the next control receive.
+        self._control_send: tuple[Any, torch.Tensor] | None = None
+        self._control_posted: tuple[list[torch.Tensor], list[tuple[Any, int]]] | None = None
         topo = self.topology
         if self.role is AFDRole.ATTENTION:
             self._ffn_world_rank = topo.world_rank(AFDRole.FFN, topo.ffn_rank_for(role_rank))
@@ -372,6 +421,14 @@ class P2PConnector(AFDConnectorBase):
         self._teardown()
 
     def _teardown(self) -> None:
+        # Pending works hold the gloo context (and its sockets) alive: drop them first.
+        self._posted = {}
+        self._after_reply = {}
+        self._unreplied = set()
+        self._peer_posted = {}
+        self._last_received = None
+        self._control_send = None
+        self._control_posted = None
         for name in ("_data_pg", "_ctl_pg"):
             pg = getattr(self, name)
             setattr(self, name, None)
@@ -385,7 +442,7 @@ class P2PConnector(AFDConnectorBase):
         self._store = None
         self._announced = None
         self._control = None
-        self._pool = {}
+        self._buffers.clear()
         self._initialized = False
 
     # -- failure handling ------------------------------------------------------------------
@@ -484,18 +541,56 @@ class P2PConnector(AFDConnectorBase):
             raise AFDPayloadError(
                 "stage_token_counts", message.num_stages, f"at most {CONTROL_WORDS - 5} stages"
             )
-        wire = torch.zeros(CONTROL_WORDS, dtype=torch.int64)
-        wire[: words.numel()] = words
-        self._announced = (
-            None if message.shutdown else tuple(s[0] for s in message.stage_token_counts)
-        )
-        # No local reference to the work: after a failure nothing but ``self`` may keep the
-        # process groups alive (their destruction is what releases the peers).
-        self._wait(
-            [(self._ctl_pg.send([wire], self._ffn_world_rank, _CONTROL_TAG), self._ffn_world_rank)],
-            "send_control",
-            self._timeout,
-        )
+        announced = None if message.shutdown else tuple(s[0] for s in message.stage_token_counts)
+        if announced is not None:
+            self._check_peer_posted(announced)
+        self._finish_control_send()
+        wire = torch.nn.functional.pad(words, (0, CONTROL_WORDS - words.numel()))
+        self._announced = announced
+        dst = self._ffn_world_rank
+        try:
+            work = self._ctl_pg.send([wire], dst, _CONTROL_TAG)
+        except RuntimeError as err:
+            self._fail(err, "send_control", dst)
+        # A step's control message completes in the background (the step's first reply cannot
+        # arrive before the FFN rank got it, so recv_ffn_output finishes it at no cost); the
+        # shutdown message is waited for here, since close() usually follows at once. Only
+        # ``self`` holds the work: after a failure nothing else may keep the groups alive.
+        self._control_send = (work, wire)
+        if message.shutdown:
+            self._finish_control_send()
+
+    def _finish_control_send(self) -> None:
+        pending = self._control_send
+        if pending is not None:
+            self._control_send = None
+            self._wait([(pending[0], self._ffn_world_rank)], "send_control", self._timeout)
+
+    def _check_peer_posted(self, announced: tuple[int, ...]) -> None:
+        """Refuse a step whose count differs from a receive the FFN rank still has posted.
+
+        Mirrors the FFN side's receive-ahead rule (see the module docstring): the FFN rank has a
+        receive posted for stage ``s`` when the previous step's last transfer of ``s`` carried
+        tokens and was not of layer ``num_layers - 1``. Sending another count there would make
+        gloo abort the FFN process, so this raises (and tears down) before anything is sent.
+        """
+        for stage, n_posted in self._peer_posted.items():
+            n = announced[stage] if stage < len(announced) else None
+            if n != n_posted:
+                self._fail(
+                    AFDProtocolError(
+                        f"stage {stage}: the FFN rank still has a receive posted for {n_posted} "
+                        f"tokens (the previous step ended before layer {self.num_layers - 1}), "
+                        f"but this step announces {n}; end every step at the last layer or set "
+                        "connector_extra_config.recv_ahead=false"
+                    ),
+                    "send_control",
+                    None,
+                )
+        if self.recv_ahead:
+            for stage, n in enumerate(announced):
+                if n:
+                    self._peer_posted.setdefault(stage, n)
 
     def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
         """Receive one control message from every served Attention rank and merge them.
@@ -513,11 +608,8 @@ class P2PConnector(AFDConnectorBase):
             raise AFDConfigError("timeout_s", timeout_s, "None, math.inf or seconds > 0")
         else:
             timeout = _LONG_WAIT if math.isinf(timeout_s) else timedelta(seconds=timeout_s)
-        buffers = [torch.empty(CONTROL_WORDS, dtype=torch.int64) for _ in self._served]
-        works = [
-            (self._ctl_pg.recv([buf], src, _CONTROL_TAG), src)
-            for buf, src in zip(buffers, self._served, strict=True)
-        ]
+        buffers, works = self._control_posted or self._post_control_recv()
+        self._control_posted = None
         self._wait(works, "recv_control", timeout)
         messages: list[AFDControlMessage] = []
         for buf, src in zip(buffers, self._served, strict=True):
@@ -550,7 +642,22 @@ class P2PConnector(AFDConnectorBase):
             shutdown=first.shutdown,
         )
         self._control = None if merged.shutdown else merged
+        if self._control is not None:
+            # The next step's control receive is posted now, so its sender never waits for it.
+            self._control_posted = self._post_control_recv()
+            self._post_step_recvs(self._control)
         return merged
+
+    def _post_control_recv(self) -> tuple[list[torch.Tensor], list[tuple[Any, int]]]:
+        buffers = [torch.empty(CONTROL_WORDS, dtype=torch.int64) for _ in self._served]
+        works: list[tuple[Any, int]] = []
+        try:
+            for buf, src in zip(buffers, self._served, strict=True):
+                works.append((self._ctl_pg.recv([buf], src, _CONTROL_TAG), src))
+        except RuntimeError as err:
+            works.clear()
+            self._fail(err, "recv_control", None)
+        return buffers, works
 
     # -- validation ------------------------------------------------------------------------
 
@@ -580,19 +687,6 @@ class P2PConnector(AFDConnectorBase):
                     "num_tokens", metadata.num_tokens, f"({announced},) as announced"
                 )
 
-    def _buffer(
-        self, key: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype
-    ) -> torch.Tensor:
-        """A receive buffer: fresh, or (``reuse_buffers``) a view of a kept one."""
-        if not self.reuse_buffers:
-            return torch.empty(shape, dtype=dtype, device=self.device)
-        buf = self._pool.get(key)
-        rows = shape[0]
-        if buf is None or buf.shape[0] < rows or buf.shape[1:] != shape[1:] or buf.dtype != dtype:
-            buf = torch.empty((max(rows, 1), *shape[1:]), dtype=dtype, device=self.device)
-            self._pool[key] = buf
-        return buf[:rows]
-
     # -- Attention side --------------------------------------------------------------------
 
     def send_attn_output(
@@ -602,34 +696,41 @@ class P2PConnector(AFDConnectorBase):
         self._check_metadata(metadata, self._announced)
         n = metadata.num_tokens[0]
         self.payload_spec.validate_payload(payload, n, self._device_type)
-        state = _PendingRecv(self._ffn_world_rank)
         dst = self._ffn_world_rank
+        state = _PendingRecv(dst)
         stage = metadata.stage_idx
+        pg = self._data_pg
+        works = state.send_works
         try:
+            if n:
+                # The reply's receive first: a gloo receive notifies the sender, so the FFN rank
+                # can write its reply as soon as it has it while this rank overlaps other work
+                # (DBO; recv_ffn_output only waits). Posted before the data, the notice is out
+                # of the way of the sends (after them, it stalls them now and then on a busy
+                # host).
+                buffer = self._buffers.get((-1, stage), (n, self._hidden), self._out_dtype)
+                state.buffer = buffer
+                state.recv_work = pg.recv([buffer], dst, _data_tag(stage, 0, False))
             if self.check_sequence:
                 header = torch.tensor(
                     [metadata.layer_idx, stage, n], dtype=torch.int64, device=self.device
                 )
-                state.send_works.append(self._data_pg.send([header], dst, _SEQ_TAG))
+                works.append(pg.send([header], dst, _data_tag(stage, _SEQ_FIELD, True)))
             if n:
-                for idx, spec in enumerate(self.payload_spec.fields):
-                    tensor = getattr(payload, spec.name).contiguous()
-                    state.send_works.append(
-                        self._data_pg.send([tensor], dst, _data_tag(stage, idx, True))
-                    )
-                # Post the reply's receive now: gloo sends rendezvous with the receive, so an
-                # early receive lets the FFN rank reply (and move on) while this rank overlaps
-                # other work (DBO); recv_ffn_output only waits.
-                state.buffer = self._buffer(
-                    (-1, stage), self.payload_spec.output_shape(n), self.payload_spec.dtype
-                )
-                state.recv_work = self._data_pg.recv(
-                    [state.buffer], dst, _data_tag(stage, 0, False)
-                )
+                for name, idx in self._wire_fields:
+                    tensor = getattr(payload, name).contiguous()
+                    works.append(pg.send([tensor], dst, _data_tag(stage, idx, True)))
         except RuntimeError as err:
             state.send_works.clear()
             state.recv_work = None
             self._fail(err, "send_attn_output", dst)
+        if n and self.recv_ahead and self._announced is not None:
+            # Mirror of the FFN side: this transfer used its posted receive; it posts the next
+            # one unless this was the last layer.
+            if metadata.layer_idx + 1 < self.num_layers:
+                self._peer_posted[stage] = n
+            else:
+                self._peer_posted.pop(stage, None)
         handle = AFDTransferHandle(metadata, state, id(self))
         self._handles.add(handle)
         return handle
@@ -644,7 +745,7 @@ class P2PConnector(AFDConnectorBase):
         if not isinstance(state, _PendingRecv):
             raise AFDConnectorError("AFD transfer handle was invalidated by close()")
         n = handle.metadata.num_tokens[0]
-        shape = self.payload_spec.output_shape(n)
+        shape = (n, self._hidden)
         if out is not None and (
             tuple(out.shape) != shape
             or out.dtype != self.payload_spec.dtype
@@ -657,12 +758,15 @@ class P2PConnector(AFDConnectorBase):
             )
         handle.consume()
         handle.state = None
-        works = [(w, state.peer) for w in state.send_works]
+        peer = state.peer
+        works = [(w, peer) for w in state.send_works]
         if state.recv_work is not None:
-            works.append((state.recv_work, state.peer))
+            works.append((state.recv_work, peer))
         state.send_works = []
         state.recv_work = None
         self._wait(works, "recv_ffn_output")
+        if self._control_send is not None:  # complete: the FFN rank replied, so it has it
+            self._finish_control_send()
         result = state.buffer
         state.buffer = None
         if result is None:  # zero tokens: nothing was on the wire
@@ -686,36 +790,110 @@ class P2PConnector(AFDConnectorBase):
         if metadata.num_tokens != announced:
             raise AFDPayloadError("num_tokens", metadata.num_tokens, f"{announced} as announced")
 
+    def _post_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
+        """Post the receives of ``stage``'s next transfer (``n`` tokens) from world rank ``src``."""
+        posted = _PostedRecv(n)
+        pg = self._data_pg
+        tensors = posted.tensors
+        try:
+            if self.check_sequence:
+                posted.header = torch.empty(3, dtype=torch.int64, device=self.device)
+                posted.works.append(
+                    pg.recv([posted.header], src, _data_tag(stage, _SEQ_FIELD, True))
+                )
+            for idx, spec in enumerate(self.payload_spec.fields):
+                buf = self._buffers.get((stage, src, idx), spec.shape(n), spec.dtype)
+                tensors[spec.name] = buf
+                if n:
+                    posted.works.append(pg.recv([buf], src, _data_tag(stage, idx, True)))
+        except RuntimeError as err:
+            posted.works.clear()
+            self._fail(err, "recv_attn_output", src)
+        return posted
+
+    def _post_ahead(self, stage: int, counts: Sequence[int]) -> None:
+        for src, n in zip(self._served, counts, strict=True):
+            if n and (stage, src) not in self._posted:
+                self._posted[stage, src] = self._post_recv(stage, src, n)
+
+    def _post_step_recvs(self, control: AFDControlMessage) -> None:
+        """New step: keep receives left posted when their count holds, post every first one."""
+        self._after_reply.clear()  # nothing on the wire for these yet
+        self._unreplied.clear()
+        for (stage, src), posted in list(self._posted.items()):
+            col = self._served.index(src)
+            n = control.stage_token_counts[stage][col] if stage < control.num_stages else None
+            if n != posted.num_tokens:
+                # The peer's next transfer would land in a receive of the wrong size (gloo
+                # aborts the process on that); the Attention side refuses first, see
+                # send_control, so this is the second line of defence.
+                self._fail(
+                    AFDProtocolError(
+                        f"stage {stage} still has a receive posted for {posted.num_tokens} "
+                        f"tokens from world rank {src} (its previous step ended before layer "
+                        f"{self.num_layers - 1}), but the new step announces {n}; end every "
+                        "step at the last layer or set connector_extra_config.recv_ahead=false"
+                    ),
+                    "recv_control",
+                    src,
+                )
+        if self.recv_ahead:
+            for stage, counts in enumerate(control.stage_token_counts):
+                self._post_ahead(stage, counts)
+
     def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
         self._check_ready(AFDRole.FFN, "recv_attn_output")
         self._check_metadata(metadata, None)
         self._expected_ffn_counts(metadata)
         stage = metadata.stage_idx
-        fields = self.payload_spec.fields
-        received: list[dict[str, torch.Tensor]] = []
-        headers: list[torch.Tensor] = []
+        posted_map = self._posted
+        recvs: list[_PostedRecv] = []
         works: list[tuple[Any, int]] = []
-        try:
-            for src, n in zip(self._served, metadata.num_tokens, strict=True):
-                if self.check_sequence:
-                    header = torch.empty(3, dtype=torch.int64, device=self.device)
-                    headers.append(header)
-                    works.append((self._data_pg.recv([header], src, _SEQ_TAG), src))
-                tensors: dict[str, torch.Tensor] = {}
-                for idx, spec in enumerate(fields):
-                    buf = self._buffer((stage, src, idx), spec.shape(n), spec.dtype)
-                    tensors[spec.name] = buf
-                    if n:
-                        works.append(
-                            (self._data_pg.recv([buf], src, _data_tag(stage, idx, True)), src)
-                        )
-                received.append(tensors)
-        except RuntimeError as err:
-            works.clear()
-            self._fail(err, "recv_attn_output", None)
+        # One count per served rank (checked by _check_metadata).
+        for src, n in zip(self._served, metadata.num_tokens):  # noqa: B905
+            posted = posted_map.pop((stage, src), None) or self._post_recv(stage, src, n)
+            recvs.append(posted)
+            for work in posted.works:
+                works.append((work, src))
+            posted.works = []
+        # Everything but the wait happens before it, so the caller gets the data as soon as it
+        # is in: the result objects, and (see _schedule_ahead) perhaps the next receive.
+        payloads = [AFDPayload(**posted.tensors) for posted in recvs]
+        self._after_reply.pop(stage, None)
+        if (
+            self.recv_ahead
+            and self._control is not None
+            and metadata.layer_idx + 1 < self.num_layers
+        ):
+            self._schedule_ahead(stage, metadata.num_tokens)
+        self._unreplied.add(stage)
         self._wait(works, "recv_attn_output")
-        for src, n, header in zip(self._served, metadata.num_tokens, headers, strict=False):
-            got = tuple(int(v) for v in header.tolist())
+        if self.check_sequence:
+            self._check_headers(metadata, recvs)
+        self._last_received = metadata
+        return payloads
+
+    def _schedule_ahead(self, stage: int, counts: tuple[int, ...]) -> None:
+        """Post ``stage``'s next receive now or right after this transfer's reply.
+
+        Request/reply (the service loop, where the previous transfer of the stage was replied
+        to): with the reply (just before it), so the receive notice reaches the Attention rank
+        while it waits for that reply; posted earlier, it meets the Attention rank in the middle
+        of its next send, which on a busy host stalls that send for milliseconds now and then. A
+        stream (the previous transfer not replied yet): now, before waiting, which keeps one
+        receive ahead of the sender.
+        """
+        if stage in self._unreplied:
+            self._post_ahead(stage, counts)
+        else:
+            self._after_reply[stage] = counts
+
+    def _check_headers(self, metadata: AFDTransferMetadata, recvs: list[_PostedRecv]) -> None:
+        stage = metadata.stage_idx
+        for src, n, posted in zip(self._served, metadata.num_tokens, recvs, strict=True):
+            if posted.header is None:
+                continue
+            got = tuple(int(v) for v in posted.header.tolist())
             want = (metadata.layer_idx, stage, n)
             if got != want:
                 self._fail(
@@ -726,15 +904,15 @@ class P2PConnector(AFDConnectorBase):
                     "recv_attn_output",
                     src,
                 )
-        return [AFDPayload(**tensors) for tensors in received]
 
     def send_ffn_output(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
     ) -> None:
         self._check_ready(AFDRole.FFN, "send_ffn_output")
-        self._check_metadata(metadata, None)
-        self._expected_ffn_counts(metadata)
-        spec = self.payload_spec.fields[0]
+        if metadata is not self._last_received:  # that one was checked by recv_attn_output
+            self._check_metadata(metadata, None)
+            self._expected_ffn_counts(metadata)
+        spec = self._reply_spec
         if isinstance(outputs, torch.Tensor):
             total = metadata.total_tokens
             if outputs.dim() != 2 or outputs.shape[0] != total:
@@ -748,23 +926,23 @@ class P2PConnector(AFDConnectorBase):
                 raise AFDPayloadError(
                     "outputs", len(parts), f"{len(self._served)} tensors (one per served rank)"
                 )
-        for part, n in zip(parts, metadata.num_tokens, strict=True):
+        device_type = self._device_type
+        for part, n in zip(parts, metadata.num_tokens):  # noqa: B905 (lengths checked above)
             if not isinstance(part, torch.Tensor):
                 raise AFDPayloadError("outputs", type(part).__name__, "torch.Tensor items")
-            AFDPayloadSpec.validate_tensor(spec, part, n, self._device_type, name="outputs")
+            AFDPayloadSpec.validate_tensor(spec, part, n, device_type, name="outputs")
         stage = metadata.stage_idx
+        self._unreplied.discard(stage)
+        counts = self._after_reply.pop(stage, None)
+        if counts is not None:  # the next layer's receive goes just before this reply
+            self._post_ahead(stage, counts)
+        tag = _data_tag(stage, 0, False)
+        pg = self._data_pg
         works: list[tuple[Any, int]] = []
         try:
-            for part, n, dst in zip(parts, metadata.num_tokens, self._served, strict=True):
+            for part, n, dst in zip(parts, metadata.num_tokens, self._served):  # noqa: B905
                 if n:
-                    works.append(
-                        (
-                            self._data_pg.send(
-                                [part.contiguous()], dst, _data_tag(stage, 0, False)
-                            ),
-                            dst,
-                        )
-                    )
+                    works.append((pg.send([part.contiguous()], dst, tag), dst))
         except RuntimeError as err:
             works.clear()
             self._fail(err, "send_ffn_output", None)

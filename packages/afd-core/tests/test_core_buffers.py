@@ -1,0 +1,74 @@
+"""RecvBufferPool: recycled buffers are never handed out while a tensor references them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from afd_core import buffers
+from afd_core.buffers import RECYCLE_SLOTS, RecvBufferPool
+
+CPU = torch.device("cpu")
+
+
+def test_policy_by_device_and_option() -> None:
+    assert RecvBufferPool(CPU, keep=False).policy == "recycle"
+    assert RecvBufferPool(CPU, keep=True).policy == "kept"
+    assert RecvBufferPool(torch.device("meta"), keep=False).policy == "fresh"
+
+
+def test_recycle_reuses_memory_only_when_unreferenced() -> None:
+    pool = RecvBufferPool(CPU, keep=False)
+    a = pool.get((0,), (4, 8), torch.float32)
+    ptr = a.data_ptr()
+    a.fill_(1.0)
+    # Held by the caller: the next transfer gets other memory, ``a`` keeps its data.
+    b = pool.get((0,), (4, 8), torch.float32)
+    assert b.data_ptr() != ptr
+    b.fill_(2.0)
+    assert torch.equal(a, torch.ones(4, 8))
+    # A view (or a numpy array) of ``a`` keeps its memory out of the pool as well.
+    view = a[1:]
+    del a
+    c = pool.get((0,), (4, 8), torch.float32)
+    assert c.data_ptr() not in (ptr, b.data_ptr())
+    del view, b, c
+    # Nothing references the first buffer any more: its memory comes back, same shape/dtype.
+    d = pool.get((0,), (4, 8), torch.float32)
+    assert d.data_ptr() == ptr and d.shape == (4, 8) and d.dtype == torch.float32
+    arr = d.numpy()
+    del d
+    assert pool.get((0,), (4, 8), torch.float32).data_ptr() != ptr
+    del arr
+    assert pool.get((0,), (4, 8), torch.float32).data_ptr() == ptr
+
+
+def test_recycle_grows_and_bounds_slots() -> None:
+    pool = RecvBufferPool(CPU, keep=False)
+    small = pool.get((1,), (2, 8), torch.float32)
+    ptr = small.data_ptr()
+    del small
+    fewer = pool.get((1,), (1, 8), torch.float32)  # fits: same memory, fewer rows
+    assert fewer.data_ptr() == ptr and fewer.shape == (1, 8)
+    del fewer
+    bigger = pool.get((1,), (64, 8), torch.float32)  # grows the free slot
+    assert bigger.shape == (64, 8)
+    other_dtype = pool.get((1,), (64, 8), torch.float16)
+    assert other_dtype.dtype == torch.float16
+    held = [pool.get((2,), (3, 8), torch.float32) for _ in range(RECYCLE_SLOTS + 3)]
+    assert len({t.data_ptr() for t in held}) == len(held)  # all distinct while held
+    assert len(pool._recycled[(2,)]) == RECYCLE_SLOTS  # the extra ones are not kept
+    empty = pool.get((3,), (0, 8), torch.float32)
+    assert empty.shape == (0, 8)
+
+
+def test_kept_rotates_three_stable_buffers() -> None:
+    pool = RecvBufferPool(CPU, keep=True)
+    ptrs = [pool.get((0,), (4, 8), torch.float32).data_ptr() for _ in range(6)]
+    assert ptrs[:3] == ptrs[3:] and len(set(ptrs[:3])) == 3
+
+
+def test_fresh_without_use_count_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(buffers, "_storage_use_count", None)
+    pool = RecvBufferPool(CPU, keep=False)
+    assert pool.policy == "fresh"
+    assert pool.get((0,), (2, 3), torch.int64).shape == (2, 3)
