@@ -3,7 +3,7 @@
 Two processes on one host (Attention world rank 0, FFN world rank 1, gloo on CPU). Payload:
 ``hidden_states`` of ``[tokens, 1024]`` float32 (4 KiB per token). The traffic has the shape of
 serving: a *step* is one control message and then ``LAYERS`` layers, one transfer each way per
-layer (one stage). Every connector kind and the raw baselines run in each of ``--repeats``
+layer (one stage). Every connector kind and the raw baselines run in each of ``--repeats`` (3x for ≤ 256 KiB)
 interleaved repeats (the order rotates per repeat):
 
 * round-trip latency per layer: the Attention side sends, the FFN side sends the same bytes back.
@@ -196,6 +196,11 @@ def _p2p_oneway(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor) -> floa
     return elapsed
 
 
+def _repeats_for(size: int, base: int) -> int:
+    """Repeats per size: small payloads are cheap and noisier (scheduler), so run 3x as many."""
+    return base * 3 if size <= 256 << 10 else base
+
+
 def _steps_for(size: int, quick: bool) -> int:
     """Round-trip steps per repeat: ``LAYERS`` samples each, fewer for the largest payloads."""
     if quick:
@@ -232,7 +237,7 @@ def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool
         _raw_rtt(raw, rank, x, bufs, 1, False)  # warm-up every path
         for conn in conns.values():
             _p2p_rtt(conn, raw, rank, x, 1)
-        for rep in range(repeats):
+        for rep in range(_repeats_for(size, repeats)):
             order = KINDS[rep % len(KINDS) :] + KINDS[: rep % len(KINDS)]
             for kind in order:
                 if kind == "raw":
@@ -460,7 +465,7 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "afd-core P2P connector vs raw gloo send/recv",
         "config": {
             "sizes_bytes": sizes,
-            "repeats": repeats,
+            "repeats": {str(s): _repeats_for(s, repeats) for s in sizes},
             "layers_per_step": LAYERS,
             "rtt_steps_per_repeat": {str(s): _steps_for(s, args.quick) for s in sizes},
             "hidden": HIDDEN,

@@ -179,6 +179,8 @@ def test_control_roundtrip(msg: AFDControlMessage) -> None:
     assert wire.dtype == torch.int64 and wire.dim() == 1
     assert int(wire[0]) == CONTROL_MAGIC and int(wire[1]) == CONTROL_VERSION
     assert AFDControlMessage.decode(wire) == msg
+    assert wire.tolist() == msg.words()
+    assert AFDControlMessage.decode_words(msg.words()) == msg
 
 
 def test_control_helpers() -> None:

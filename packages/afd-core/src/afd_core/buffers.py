@@ -44,6 +44,11 @@ def _storage_handle(buf: torch.Tensor) -> int:
     return int(buf.untyped_storage()._cdata)
 
 
+def _view(buf: torch.Tensor, rows: int) -> torch.Tensor:
+    """A new tensor object over the first ``rows`` rows (``detach`` is the cheapest alias)."""
+    return buf.detach() if buf.shape[0] == rows else buf[:rows]
+
+
 class RecvBufferPool:
     """Receive buffers of one connector (see the module docstring)."""
 
@@ -73,7 +78,7 @@ class RecvBufferPool:
             if buf is None or not self._fits(buf, shape, dtype):
                 buf = self._new(shape, dtype)
                 self._kept[kept_key] = buf
-            return buf[: shape[0]]
+            return _view(buf, shape[0])
         use_count = _storage_use_count
         assert use_count is not None
         slots = self._recycled.setdefault(key, [])
@@ -82,11 +87,11 @@ class RecvBufferPool:
                 if not self._fits(buf, shape, dtype):
                     slots[i] = self._tracked(self._new(shape, dtype))
                     buf = slots[i][0]
-                return buf[: shape[0]]
+                return _view(buf, shape[0])
         buf = self._new(shape, dtype)
         if len(slots) < RECYCLE_SLOTS:
             slots.append(self._tracked(buf))
-        return buf[: shape[0]]
+        return _view(buf, shape[0])
 
     @staticmethod
     def _tracked(buf: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -345,7 +345,7 @@ class AFDControlMessage:
                 "the same non-zero number of entries in every stage",
             )
         for stage in counts:
-            if not all(_is_count(c) for c in stage):
+            if not all(map(_is_count, stage)):
                 raise AFDPayloadError("stage_token_counts", counts, "non-negative ints")
         if not counts and not self.shutdown:
             raise AFDPayloadError(
@@ -395,19 +395,27 @@ class AFDControlMessage:
             | (_FLAG_SHUTDOWN if self.shutdown else 0)
         )
 
-    def encode(self) -> torch.Tensor:
-        """Wire form: ``int64[5 + stages*width]`` = magic, version, flags, stages, width, counts."""
+    def words(self) -> list[int]:
+        """The wire words: magic, version, flags, stages, width, then the counts stage by stage."""
         words = [CONTROL_MAGIC, CONTROL_VERSION, self.flags, self.num_stages, self.width]
         for stage in self.stage_token_counts:
             words.extend(stage)
-        return torch.tensor(words, dtype=torch.int64)
+        return words
+
+    def encode(self) -> torch.Tensor:
+        """Wire form: ``int64[5 + stages*width]`` (see :meth:`words`)."""
+        return torch.tensor(self.words(), dtype=torch.int64)
 
     @classmethod
     def decode(cls, tensor: torch.Tensor) -> AFDControlMessage:
         """Inverse of :meth:`encode`; raises :class:`AFDProtocolError` on malformed input."""
         if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.int64 or tensor.dim() != 1:
             raise AFDProtocolError("AFD control message must be a 1-D int64 tensor")
-        words: Sequence[int] = tensor.tolist()
+        return cls.decode_words(tensor.tolist())
+
+    @classmethod
+    def decode_words(cls, words: Sequence[int]) -> AFDControlMessage:
+        """:meth:`decode` of the message's words (a list of ints), e.g. a received wire prefix."""
         if len(words) < _HEADER_WORDS:
             raise AFDProtocolError(f"AFD control message too short: {len(words)} words")
         magic, version, flags, stages, width = words[:_HEADER_WORDS]

@@ -536,8 +536,8 @@ class P2PConnector(AFDConnectorBase):
             )
         if message.num_stages and width != 1:
             message = message.select([self.role_rank])
-        words = message.encode()
-        if words.numel() > CONTROL_WORDS:
+        words = message.words()
+        if len(words) > CONTROL_WORDS:
             raise AFDPayloadError(
                 "stage_token_counts", message.num_stages, f"at most {CONTROL_WORDS - 5} stages"
             )
@@ -545,7 +545,7 @@ class P2PConnector(AFDConnectorBase):
         if announced is not None:
             self._check_peer_posted(announced)
         self._finish_control_send()
-        wire = torch.nn.functional.pad(words, (0, CONTROL_WORDS - words.numel()))
+        wire = torch.tensor(words + [0] * (CONTROL_WORDS - len(words)), dtype=torch.int64)
         self._announced = announced
         dst = self._ffn_world_rank
         try:
@@ -613,11 +613,12 @@ class P2PConnector(AFDConnectorBase):
         self._wait(works, "recv_control", timeout)
         messages: list[AFDControlMessage] = []
         for buf, src in zip(buffers, self._served, strict=True):
-            header = int(buf[3]) * int(buf[4]) + 5
+            words = buf.tolist()  # one conversion; indexing the tensor costs µs per element
+            header = words[3] * words[4] + 5
             try:
                 if not 5 <= header <= CONTROL_WORDS:
                     raise AFDProtocolError(f"control message of {header} words")
-                msg = AFDControlMessage.decode(buf[:header].clone())
+                msg = AFDControlMessage.decode_words(words[:header])
                 if msg.num_stages and msg.width != 1:
                     raise AFDProtocolError(f"control message width {msg.width}, expected 1")
             except AFDProtocolError as err:
@@ -633,13 +634,18 @@ class P2PConnector(AFDConnectorBase):
                         f"sent {getattr(msg, name)!r}"
                     )
                     self._fail(mismatch, "recv_control", src)
-        merged = AFDControlMessage(
-            tuple(
-                tuple(m.stage_token_counts[s][0] for m in messages) for s in range(first.num_stages)
-            ),
-            is_warmup=first.is_warmup,
-            is_capture=first.is_capture,
-            shutdown=first.shutdown,
+        merged = (
+            first  # one served rank: its message is already the merged one
+            if len(messages) == 1
+            else AFDControlMessage(
+                tuple(
+                    tuple(m.stage_token_counts[s][0] for m in messages)
+                    for s in range(first.num_stages)
+                ),
+                is_warmup=first.is_warmup,
+                is_capture=first.is_capture,
+                shutdown=first.shutdown,
+            )
         )
         self._control = None if merged.shutdown else merged
         if self._control is not None:
