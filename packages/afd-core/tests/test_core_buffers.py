@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from afd_core import buffers
-from afd_core.buffers import RECYCLE_SLOTS, RecvBufferPool
+from afd_core.buffers import RECYCLE_BYTES, RECYCLE_MAX_SLOTS, RECYCLE_SLOTS, RecvBufferPool
 
 CPU = torch.device("cpu")
 
@@ -19,27 +19,42 @@ def test_policy_by_device_and_option() -> None:
 def test_recycle_reuses_memory_only_when_unreferenced() -> None:
     pool = RecvBufferPool(CPU, keep=False)
     a = pool.get((0,), (4, 8), torch.float32)
-    ptr = a.data_ptr()
+    a_ptr = a.data_ptr()
     a.fill_(1.0)
     # Held by the caller: the next transfer gets other memory, ``a`` keeps its data.
     b = pool.get((0,), (4, 8), torch.float32)
-    assert b.data_ptr() != ptr
+    assert b.data_ptr() != a_ptr
     b.fill_(2.0)
     assert torch.equal(a, torch.ones(4, 8))
-    # A view (or a numpy array) of ``a`` keeps its memory out of the pool as well.
+    # A view of ``a`` keeps its memory out of the pool as well.
     view = a[1:]
     del a
     c = pool.get((0,), (4, 8), torch.float32)
-    assert c.data_ptr() not in (ptr, b.data_ptr())
+    assert c.data_ptr() not in (a_ptr, b.data_ptr())
+    pooled = {a_ptr, b.data_ptr(), c.data_ptr()}
     del view, b, c
-    # Nothing references the first buffer any more: its memory comes back, same shape/dtype.
+    # Nothing references them any more: memory comes back from the pool, same shape/dtype.
     d = pool.get((0,), (4, 8), torch.float32)
-    assert d.data_ptr() == ptr and d.shape == (4, 8) and d.dtype == torch.float32
+    assert d.data_ptr() in pooled and d.shape == (4, 8) and d.dtype == torch.float32
+    # A numpy array over ``d`` keeps its memory out of the pool too.
+    d_ptr = d.data_ptr()
     arr = d.numpy()
     del d
-    assert pool.get((0,), (4, 8), torch.float32).data_ptr() != ptr
-    del arr
-    assert pool.get((0,), (4, 8), torch.float32).data_ptr() == ptr
+    held = [pool.get((0,), (4, 8), torch.float32) for _ in range(3)]
+    assert d_ptr not in {t.data_ptr() for t in held}
+    del arr, held
+    again = [pool.get((0,), (4, 8), torch.float32) for _ in range(4)]  # held: all distinct
+    assert d_ptr in {t.data_ptr() for t in again}
+
+
+def test_recycle_prefers_the_buffer_handed_out_last() -> None:
+    pool = RecvBufferPool(CPU, keep=False)
+    first = pool.get((0,), (2, 8), torch.float32)
+    second = pool.get((0,), (2, 8), torch.float32)
+    ptr = second.data_ptr()
+    del first, second
+    # Request/reply: the same (warm) buffer again and again while each result is dropped.
+    assert {pool.get((0,), (2, 8), torch.float32).data_ptr() for _ in range(5)} == {ptr}
 
 
 def test_recycle_grows_and_bounds_slots() -> None:
@@ -54,9 +69,15 @@ def test_recycle_grows_and_bounds_slots() -> None:
     assert bigger.shape == (64, 8)
     other_dtype = pool.get((1,), (64, 8), torch.float16)
     assert other_dtype.dtype == torch.float16
-    held = [pool.get((2,), (3, 8), torch.float32) for _ in range(RECYCLE_SLOTS + 3)]
+    held = [pool.get((2,), (3, 8), torch.float32) for _ in range(RECYCLE_MAX_SLOTS + 3)]
     assert len({t.data_ptr() for t in held}) == len(held)  # all distinct while held
-    assert len(pool._recycled[(2,)]) == RECYCLE_SLOTS  # the extra ones are not kept
+    assert len(pool._recycled[(2,)]) == RECYCLE_MAX_SLOTS  # small buffers: up to the count cap
+    del held
+    # Large buffers: RECYCLE_SLOTS always, more only within RECYCLE_BYTES.
+    rows = RECYCLE_BYTES // (4 * 1024) // 2  # half the byte budget per buffer
+    big = [pool.get((4,), (rows, 1024), torch.float32) for _ in range(RECYCLE_SLOTS + 2)]
+    assert len(pool._recycled[(4,)]) == RECYCLE_SLOTS
+    del big
     empty = pool.get((3,), (0, 8), torch.float32)
     assert empty.shape == (0, 8)
 

@@ -8,11 +8,13 @@ may do with a received tensor.
 
 Policies, per pool:
 
-* ``"recycle"`` (CPU default): up to :data:`RECYCLE_SLOTS` buffers per key; a buffer is handed
-  out again only when no tensor references its memory any more (the storage's use count is back
-  to what the pool alone holds), so a tensor a caller keeps is never overwritten. Holding only a
-  tensor's ``untyped_storage()`` object is not seen: keep the tensor (or a view) instead. When
-  every slot is busy the pool allocates a fresh, untracked tensor.
+* ``"recycle"`` (CPU default): buffers per key, kept while the key holds fewer than
+  :data:`RECYCLE_SLOTS` of them or at most :data:`RECYCLE_BYTES` in all (and never more than
+  :data:`RECYCLE_MAX_SLOTS`); a buffer is handed out again only when no tensor references its
+  memory any more (the storage's use count is back to what the pool alone holds), so a tensor a
+  caller keeps is never overwritten. Holding only a tensor's ``untyped_storage()`` object is not
+  seen: keep the tensor (or a view) instead. When every kept buffer is busy and the key is full,
+  the pool allocates a fresh, untracked tensor.
 * ``"kept"`` (``reuse_buffers``): three buffers per key used in turn, stable addresses (what
   graph capture needs); a tensor is overwritten two receives later, whatever holds it.
 * ``"fresh"``: a new tensor every time (non-CPU devices, or a torch without the use-count hook).
@@ -28,10 +30,16 @@ from typing import Literal
 
 import torch
 
-__all__ = ["RECYCLE_SLOTS", "BufferPolicy", "RecvBufferPool"]
+__all__ = ["RECYCLE_BYTES", "RECYCLE_MAX_SLOTS", "RECYCLE_SLOTS", "BufferPolicy", "RecvBufferPool"]
 
 RECYCLE_SLOTS = 4
-"""Most recycled buffers kept per key (bounds the pool's memory to 4 x the largest transfer)."""
+"""Recycled buffers a key may always keep, whatever their size."""
+
+RECYCLE_BYTES = 64 << 20
+"""Beyond :data:`RECYCLE_SLOTS`, a key keeps more buffers while their total stays within this."""
+
+RECYCLE_MAX_SLOTS = 64
+"""Most recycled buffers per key (bounds the scan for a free one)."""
 
 BufferPolicy = Literal["recycle", "kept", "fresh"]
 
@@ -65,6 +73,7 @@ class RecvBufferPool:
         self._turns: dict[tuple[int, ...], int] = {}
         # key -> [(buffer, its storage handle, the storage's use count when only the pool holds it)]
         self._recycled: dict[tuple[int, ...], list[tuple[torch.Tensor, int, int]]] = {}
+        self._last: dict[tuple[int, ...], int] = {}  # key -> index of the buffer handed out last
 
     def get(self, key: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` to receive into, for the transfer slot ``key``."""
@@ -82,14 +91,25 @@ class RecvBufferPool:
         use_count = _storage_use_count
         assert use_count is not None
         slots = self._recycled.setdefault(key, [])
-        for i, (buf, handle, idle) in enumerate(slots):
+        # Start at the buffer handed out last: in request/reply it is free again (and warm in
+        # cache); in a burst the next one along usually is, so the scan stays short.
+        start = self._last.get(key, 0)
+        count = len(slots)
+        for step in range(count):
+            i = (start + step) % count
+            buf, handle, idle = slots[i]
             if use_count(handle) <= idle:
                 if not self._fits(buf, shape, dtype):
                     slots[i] = self._tracked(self._new(shape, dtype))
                     buf = slots[i][0]
+                self._last[key] = i
                 return _view(buf, shape[0])
         buf = self._new(shape, dtype)
-        if len(slots) < RECYCLE_SLOTS:
+        if len(slots) < RECYCLE_SLOTS or (
+            len(slots) < RECYCLE_MAX_SLOTS
+            and sum(b.nbytes for b, _, _ in slots) + buf.nbytes <= RECYCLE_BYTES
+        ):
+            self._last[key] = len(slots)
             slots.append(self._tracked(buf))
         return _view(buf, shape[0])
 
@@ -104,6 +124,7 @@ class RecvBufferPool:
         self._kept.clear()
         self._turns.clear()
         self._recycled.clear()
+        self._last.clear()
 
     def _new(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty((max(shape[0], 1), *shape[1:]), dtype=dtype, device=self.device)
