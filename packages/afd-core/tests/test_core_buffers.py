@@ -36,13 +36,14 @@ def test_recycle_reuses_memory_only_when_unreferenced() -> None:
     # Nothing references them any more: memory comes back from the pool, same shape/dtype.
     d = pool.get((0,), (4, 8), torch.float32)
     assert d.data_ptr() in pooled and d.shape == (4, 8) and d.dtype == torch.float32
-    # A numpy array over ``d`` keeps its memory out of the pool too.
+    # An alias made through DLPack (as `np.from_dlpack` and other libraries make) keeps it out too.
     d_ptr = d.data_ptr()
-    arr = d.numpy()
+    alias = torch.from_dlpack(d)
     del d
     held = [pool.get((0,), (4, 8), torch.float32) for _ in range(3)]
     assert d_ptr not in {t.data_ptr() for t in held}
-    del arr, held
+    assert alias.data_ptr() == d_ptr
+    del alias, held
     again = [pool.get((0,), (4, 8), torch.float32) for _ in range(4)]  # held: all distinct
     assert d_ptr in {t.data_ptr() for t in again}
 
