@@ -16,23 +16,29 @@ Per initialisation (generation ``g``, counted per rank on the store so re-init a
 
 Per step (see :mod:`afd_core.connector` for the call order): every Attention rank sends its
 per-stage token counts to its FFN rank (fixed-size control message, tag per direction); per layer
-and stage the Attention rank posts a send per payload field (tag per stage and field) and the
-receive of the reply, and returns (``recv_ffn_output`` only waits), so two stages can be in flight
-(DBO). The FFN rank receives from each served Attention rank and sends back
+and stage the Attention rank posts the receive of the reply and then a send per payload field
+(tag per stage and field), and returns (``recv_ffn_output`` only waits), so two stages can be in
+flight (DBO). The FFN rank receives from each served Attention rank and sends back
 ``[tokens_i, hidden]``. Zero-token peers move no bytes.
 
-Receive-ahead (FFN side, ``recv_ahead``, on by default). A gloo receive notifies the sender,
-which writes the data at once if the receive was posted first and otherwise waits for that
-notice: posting late costs a network round trip per transfer. The control message tells the FFN
-rank every stage's token counts for the whole step, so it posts each stage's first receive as
-soon as the control message arrives, and the receive of layer ``l + 1`` together with the
-reply of layer ``l`` of that stage (or, when the caller receives several layers before replying,
-when it asks for layer ``l``), up to layer ``num_layers - 1``. The next step's control receive is likewise posted when a step's
-control message arrives, and ``send_control`` does not wait for its message. Matching on
-the wire is unchanged (first message on a (peer, tag) goes to the first receive); only the
-moment the receive is posted moves. A step that stops before its last layer leaves a receive
-posted: the next control message keeps it when that stage's counts are unchanged and otherwise
-fails with :class:`AFDProtocolError`, because a posted gloo receive cannot be withdrawn.
+Receives are posted ahead. A gloo receive notifies the sender, which writes the data at once if
+the receive was posted first and otherwise waits for that notice: posting late costs a network
+round trip per transfer. Besides the Attention side's early reply receive, the FFN side
+(``recv_ahead``, on by default) uses what the control message tells it (every stage's token
+counts for the whole step): it posts each stage's first receive as soon as the control message
+arrives, and the receive of layer ``l + 1`` together with the reply of layer ``l`` of that stage
+(or, when the caller receives several layers before replying, when it asks for layer ``l``), up
+to layer ``num_layers - 1``. The next step's control receive is likewise posted when a control
+message arrives, and ``send_control`` does not wait for its message (except shutdown). Matching
+on the wire is unchanged (the first message on a (peer, tag) goes to the first receive); only
+the moment a receive is posted moves. A step that stops before its last layer leaves a receive
+posted: the next step may keep that stage's count (the receive is then used); another count is
+refused with :class:`AFDProtocolError` by ``send_control`` before anything is sent (and checked
+again on the FFN side), because a posted gloo receive cannot be withdrawn and a size mismatch
+aborts the receiving process.
+
+Receive buffers come from :class:`afd_core.buffers.RecvBufferPool` (recycled on CPU, kept with
+``reuse_buffers``, fresh elsewhere).
 
 Invariants:
 * Shapes, dtypes, devices, token counts (against the announced control counts) and layer index
