@@ -83,6 +83,20 @@ def test_recycle_grows_and_bounds_slots() -> None:
     assert empty.shape == (0, 8)
 
 
+def test_recycle_growth_stays_within_the_byte_budget() -> None:
+    pool = RecvBufferPool(CPU, keep=False)
+    # A burst of small transfers leaves many small free buffers ...
+    burst = [pool.get((5,), (1, 1024), torch.float32) for _ in range(RECYCLE_MAX_SLOTS)]
+    del burst
+    # ... then a burst of large ones (held together) must not grow them all past the budget.
+    rows = RECYCLE_BYTES // (4 * 1024) // 8  # an eighth of the budget per buffer
+    big = [pool.get((5,), (rows, 1024), torch.float32) for _ in range(RECYCLE_MAX_SLOTS)]
+    assert all(t.shape == (rows, 1024) for t in big)
+    assert len({t.data_ptr() for t in big}) == len(big)
+    kept = pool._recycled[(5,)]
+    assert sum(b.nbytes for b, _, _ in kept if b.shape[0] >= rows) <= RECYCLE_BYTES
+
+
 def test_kept_rotates_three_stable_buffers() -> None:
     pool = RecvBufferPool(CPU, keep=True)
     ptrs = [pool.get((0,), (4, 8), torch.float32).data_ptr() for _ in range(6)]

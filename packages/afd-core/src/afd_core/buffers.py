@@ -100,8 +100,9 @@ class RecvBufferPool:
             buf, handle, idle = slots[i]
             if use_count(handle) <= idle:
                 if not self._fits(buf, shape, dtype):
-                    slots[i] = self._tracked(self._new(shape, dtype))
-                    buf = slots[i][0]
+                    # Grow this free buffer, unless that breaks the key's budget: then drop it.
+                    del slots[i]
+                    break
                 self._last[key] = i
                 return _view(buf, shape[0])
         buf = self._new(shape, dtype)
