@@ -72,12 +72,13 @@ def test_recycle_grows_and_bounds_slots() -> None:
     assert other_dtype.dtype == torch.float16
     held = [pool.get((2,), (3, 8), torch.float32) for _ in range(RECYCLE_MAX_SLOTS + 3)]
     assert len({t.data_ptr() for t in held}) == len(held)  # all distinct while held
-    assert len(pool._recycled[(2,)]) == RECYCLE_MAX_SLOTS  # small buffers: up to the count cap
+    # Small buffers: up to the count cap.
+    assert len(pool._recycled[(2,)].slots) == RECYCLE_MAX_SLOTS
     del held
     # Large buffers: RECYCLE_SLOTS always, more only within RECYCLE_BYTES.
     rows = RECYCLE_BYTES // (4 * 1024) // 2  # half the byte budget per buffer
     big = [pool.get((4,), (rows, 1024), torch.float32) for _ in range(RECYCLE_SLOTS + 2)]
-    assert len(pool._recycled[(4,)]) == RECYCLE_SLOTS
+    assert len(pool._recycled[(4,)].slots) == RECYCLE_SLOTS
     del big
     empty = pool.get((3,), (0, 8), torch.float32)
     assert empty.shape == (0, 8)
@@ -93,8 +94,8 @@ def test_recycle_growth_stays_within_the_byte_budget() -> None:
     big = [pool.get((5,), (rows, 1024), torch.float32) for _ in range(RECYCLE_MAX_SLOTS)]
     assert all(t.shape == (rows, 1024) for t in big)
     assert len({t.data_ptr() for t in big}) == len(big)
-    kept = pool._recycled[(5,)]
-    assert sum(b.nbytes for b, _, _ in kept if b.shape[0] >= rows) <= RECYCLE_BYTES
+    kept = pool._recycled[(5,)].slots
+    assert sum(s.buf.nbytes for s in kept if s.rows >= rows) <= RECYCLE_BYTES
 
 
 def test_kept_rotates_three_stable_buffers() -> None:

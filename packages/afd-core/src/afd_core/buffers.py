@@ -21,6 +21,10 @@ Policies, per pool:
 
 Invariants: a returned tensor is always a new view object (never the pool's own tensor), of
 exactly the requested shape and dtype, on the pool's device; buffers only grow.
+
+Hot path (recycle): the buffer handed out last is tried first (request/reply: it is free again
+and warm in cache), then the one after it (a caller that keeps the previous result alternates
+between two); only when both are busy or do not fit does the pool scan the key's buffers.
 """
 
 from __future__ import annotations
@@ -47,14 +51,54 @@ BufferPolicy = Literal["recycle", "kept", "fresh"]
 _storage_use_count: Callable[[int], int] | None = getattr(torch._C, "_storage_Use_Count", None)
 
 
-def _storage_handle(buf: torch.Tensor) -> int:
-    """The storage's handle for the use-count hook (valid while ``buf`` lives: the pool keeps it)."""
-    return int(buf.untyped_storage()._cdata)
+class _Slot:
+    """A recycled buffer and what the hot path compares against (plain Python values)."""
+
+    __slots__ = ("buf", "dtype", "handle", "idle", "rows", "trailing")
+
+    def __init__(self, buf: torch.Tensor) -> None:
+        assert _storage_use_count is not None
+        self.buf = buf
+        self.rows: int = buf.shape[0]
+        self.trailing = tuple(buf.shape[1:])
+        self.dtype = buf.dtype
+        # The storage's handle for the use-count hook (valid while the slot keeps ``buf``) and
+        # the storage's use count when only the pool holds it.
+        self.handle = int(buf.untyped_storage()._cdata)
+        self.idle = _storage_use_count(self.handle)
+
+    def is_free(self) -> bool:
+        """No tensor but the pool's own references this buffer's memory."""
+        assert _storage_use_count is not None
+        return _storage_use_count(self.handle) <= self.idle
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """A new view of ``shape`` over this buffer, or ``None`` (busy, or it does not fit)."""
+        assert _storage_use_count is not None
+        rows = shape[0]
+        if (
+            _storage_use_count(self.handle) > self.idle
+            or self.rows < rows
+            or self.dtype != dtype
+            or self.trailing != shape[1:]
+        ):
+            return None
+        return _view(self.buf, rows)
 
 
 def _view(buf: torch.Tensor, rows: int) -> torch.Tensor:
     """A new tensor object over the first ``rows`` rows (``detach`` is the cheapest alias)."""
     return buf.detach() if buf.shape[0] == rows else buf[:rows]
+
+
+class _Ring:
+    """A key's recycled buffers and the index of the one handed out last."""
+
+    __slots__ = ("last", "slots")
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self.last = 0
 
 
 class RecvBufferPool:
@@ -71,61 +115,75 @@ class RecvBufferPool:
             self.policy = "fresh"
         self._kept: dict[tuple[int, ...], torch.Tensor] = {}
         self._turns: dict[tuple[int, ...], int] = {}
-        # key -> [(buffer, its storage handle, the storage's use count when only the pool holds it)]
-        self._recycled: dict[tuple[int, ...], list[tuple[torch.Tensor, int, int]]] = {}
-        self._last: dict[tuple[int, ...], int] = {}  # key -> index of the buffer handed out last
+        self._recycled: dict[tuple[int, ...], _Ring] = {}
 
     def get(self, key: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A tensor of ``shape`` and ``dtype`` to receive into, for the transfer slot ``key``."""
+        ring = self._recycled.get(key)
+        if ring is not None:
+            # The hot paths: request/reply hands out the same buffer again (free and warm);
+            # a caller that keeps the previous result alternates between two.
+            slots = ring.slots
+            i = ring.last
+            view = slots[i].take(shape, dtype)
+            if view is not None:
+                return view
+            i = i + 1 if i + 1 < len(slots) else 0
+            view = slots[i].take(shape, dtype)
+            if view is not None:
+                ring.last = i
+                return view
+        if self.policy == "recycle":
+            return self._recycle(key, shape, dtype)
         if self.policy == "fresh":
             return torch.empty(shape, dtype=dtype, device=self.device)
-        if self.policy == "kept":
-            turn = self._turns.get(key, 0)
-            self._turns[key] = (turn + 1) % 3
-            kept_key = (*key, turn)
-            buf = self._kept.get(kept_key)
-            if buf is None or not self._fits(buf, shape, dtype):
-                buf = self._new(shape, dtype)
-                self._kept[kept_key] = buf
-            return _view(buf, shape[0])
-        use_count = _storage_use_count
-        assert use_count is not None
-        slots = self._recycled.setdefault(key, [])
-        # Start at the buffer handed out last: in request/reply it is free again (and warm in
-        # cache); in a burst the next one along usually is, so the scan stays short.
-        start = self._last.get(key, 0)
+        turn = self._turns.get(key, 0)
+        self._turns[key] = (turn + 1) % 3
+        kept_key = (*key, turn)
+        buf = self._kept.get(kept_key)
+        if buf is None or not self._fits(buf, shape, dtype):
+            buf = self._new(shape, dtype)
+            self._kept[kept_key] = buf
+        return _view(buf, shape[0])
+
+    def _recycle(
+        self, key: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype
+    ) -> torch.Tensor:
+        """Scan ``key``'s buffers for a free one that fits, else allocate (kept within budget)."""
+        ring = self._recycled.get(key)
+        if ring is None:
+            ring = self._recycled[key] = _Ring()
+        slots = ring.slots
         count = len(slots)
-        for step in range(count):
-            i = (start + step) % count
-            buf, handle, idle = slots[i]
-            if use_count(handle) <= idle:
-                if not self._fits(buf, shape, dtype):
-                    # Grow this free buffer, unless that breaks the key's budget: then drop it.
-                    del slots[i]
-                    break
-                self._last[key] = i
-                return _view(buf, shape[0])
+        # Start after the buffer handed out last: in a burst the next one along is usually free.
+        for step in range(1, count + 1):
+            i = (ring.last + step) % count
+            slot = slots[i]
+            view = slot.take(shape, dtype)
+            if view is not None:
+                ring.last = i
+                return view
+            if slot.is_free():
+                # Free but it does not fit: drop it (a new buffer is kept below only within the
+                # key's byte budget, so a burst of small buffers cannot all grow large).
+                del slots[i]
+                break
         buf = self._new(shape, dtype)
         if len(slots) < RECYCLE_SLOTS or (
             len(slots) < RECYCLE_MAX_SLOTS
-            and sum(b.nbytes for b, _, _ in slots) + buf.nbytes <= RECYCLE_BYTES
+            and sum(s.buf.nbytes for s in slots) + buf.nbytes <= RECYCLE_BYTES
         ):
-            self._last[key] = len(slots)
-            slots.append(self._tracked(buf))
+            ring.last = len(slots)
+            slots.append(_Slot(buf))
+        else:
+            ring.last = min(ring.last, len(slots) - 1)
         return _view(buf, shape[0])
-
-    @staticmethod
-    def _tracked(buf: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        assert _storage_use_count is not None
-        handle = _storage_handle(buf)
-        return buf, handle, _storage_use_count(handle)
 
     def clear(self) -> None:
         """Drop every buffer (the tensors callers still hold stay valid)."""
         self._kept.clear()
         self._turns.clear()
         self._recycled.clear()
-        self._last.clear()
 
     def _new(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty((max(shape[0], 1), *shape[1:]), dtype=dtype, device=self.device)
