@@ -551,7 +551,8 @@ def timedelta_s(seconds: float) -> Any:
 def stream_rank(rank: int, port: int) -> dict[str, Any]:
     """1:1 world, 4 layers, sequence check on: each step the Attention rank sends every layer
     before it waits for a reply and the FFN rank receives every layer before it replies (the
-    receive-ahead stream mode); the second step's count differs (nothing left posted)."""
+    receive-ahead stream mode); the second step's count differs (nothing left posted) and its
+    replies are received out of order (2, 0, 3, 1)."""
     topo = AFDTopology(1, 1)
     role, role_rank = topo.role_of(rank)
     cfg = _config(role, port, 1, 1, timeout_s=20.0, connector_extra_config={"check_sequence": True})
@@ -569,9 +570,12 @@ def stream_rank(rank: int, port: int) -> dict[str, Any]:
                 )
                 for layer in range(4)
             ]
-            for layer, handle in enumerate(handles):
-                reply = conn.recv_ffn_output(handle)
+            # Only the first reply's receive is posted ahead; the others wait their turn.
+            exact.append([t.posted for t in conn._reply_queue[0]] == [True, False, False, False])
+            for layer in (0, 1, 2, 3) if step == 0 else (2, 0, 3, 1):
+                reply = conn.recv_ffn_output(handles[layer])
                 exact.append(torch.equal(reply, torch.full((n, 8), -float(step * 10 + layer))))
+            exact.append(not conn._reply_queue[0])
         else:
             ctl = conn.recv_control()
             got = [conn.recv_attn_output(ctl.transfer_metadata(layer, 0)) for layer in range(4)]

@@ -339,5 +339,5 @@ def test_ffn_rejects_a_step_that_conflicts_with_a_posted_receive() -> None:
 @pytest.mark.timeout(60)
 def test_stream_of_layers_before_replies_is_exact() -> None:
     results = ok(run_world(worlds.stream_rank, 2, free_port(), timeout_s=50))
-    assert results[0]["exact"] == [True] * 8
+    assert results[0]["exact"] == [True] * 12
     assert results[1]["exact"] == [True] * 10

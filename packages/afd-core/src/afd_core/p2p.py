@@ -18,7 +18,11 @@ Per step (see :mod:`afd_core.connector` for the call order): every Attention ran
 per-stage token counts to its FFN rank (fixed-size control message, tag per direction); per layer
 and stage the Attention rank posts the receive of the reply and then a send per payload field
 (tag per stage and field), and returns (``recv_ffn_output`` only waits), so two stages can be in
-flight (DBO). The FFN rank receives from each served Attention rank and sends back
+flight (DBO). At most one reply receive per stage is posted ahead: when a caller sends several
+layers of a stage before it receives any reply (a stream), the later receives are posted in send
+order, the next one as each reply comes in (or all up to the one asked for, when replies are
+received out of order), so the FFN rank is not handed a receive notice per layer while it is busy
+receiving. The FFN rank receives from each served Attention rank and sends back
 ``[tokens_i, hidden]``. Zero-token peers move no bytes.
 
 Receives are posted ahead. A gloo receive notifies the sender, which writes the data at once if
@@ -53,6 +57,7 @@ Invariants:
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import math
@@ -151,27 +156,49 @@ def _data_tag(stage_idx: int, field_idx: int, to_ffn: bool) -> int:
     return _DATA_TAG_BASE + (stage_idx * 8 + field_idx) * 2 + (0 if to_ffn else 1)
 
 
+class _StageTags:
+    """One stage's wire tags and receive-buffer keys (computed once per stage: hot path)."""
+
+    __slots__ = ("fields", "recv_keys", "reply", "reply_key", "sequence")
+
+    def __init__(
+        self, stage: int, wire_fields: tuple[tuple[str, int], ...], served: tuple[int, ...]
+    ) -> None:
+        self.fields = tuple((name, _data_tag(stage, idx, True)) for name, idx in wire_fields)
+        self.reply = _data_tag(stage, 0, False)
+        self.sequence = _data_tag(stage, _SEQ_FIELD, True)
+        self.reply_key = (-1, stage)  # Attention side: the reply's buffer
+        # FFN side: per served Attention world rank, the buffer key of each field.
+        self.recv_keys = {src: tuple((stage, src, idx) for _, idx in wire_fields) for src in served}
+
+
 class _PendingRecv:
-    """Attention-side state of one transfer: send works, the reply buffer and its receive."""
+    """Attention-side state of one transfer: send works, the reply buffer and its receive.
 
-    __slots__ = ("buffer", "peer", "recv_work", "send_works")
+    ``posted`` is false while the reply's receive waits in its stage's queue (see
+    ``P2PConnector._post_reply``)."""
 
-    def __init__(self, peer: int) -> None:
+    __slots__ = ("buffer", "num_tokens", "peer", "posted", "recv_work", "send_works", "stage")
+
+    def __init__(self, peer: int, stage: int, num_tokens: int) -> None:
         self.peer = peer
+        self.stage = stage
+        self.num_tokens = num_tokens
         self.send_works: list[Any] = []
         self.recv_work: Any = None
         self.buffer: torch.Tensor | None = None
+        self.posted = False
 
 
 class _PostedRecv:
     """FFN side: the posted receive of one stage's next transfer from one Attention rank."""
 
-    __slots__ = ("header", "num_tokens", "tensors", "works")
+    __slots__ = ("header", "num_tokens", "payload", "works")
 
     def __init__(self, num_tokens: int) -> None:
         self.num_tokens = num_tokens
         self.header: torch.Tensor | None = None
-        self.tensors: dict[str, torch.Tensor] = {}
+        self.payload: AFDPayload | None = None  # built when posted: off the receive's path
         self.works: list[Any] = []
 
 
@@ -235,10 +262,14 @@ class P2PConnector(AFDConnectorBase):
         self.recv_ahead = bool(config.connector_extra_config.get("recv_ahead", True))
         # Hot-path constants: (field name, index) in wire order, and the reply's width/dtype.
         self._wire_fields = tuple((f.name, i) for i, f in enumerate(payload_spec.fields))
+        self._field_names = tuple(f.name for f in payload_spec.fields)
         self._out_dtype = payload_spec.dtype
         self._hidden = payload_spec.hidden_size
         self._reply_spec = payload_spec.fields[0]
         self._buffers = RecvBufferPool(self.device, keep=self.reuse_buffers)
+        self._stage_tags: dict[int, _StageTags] = {}
+        # Attention side: stage -> its transfers awaiting a reply, in send order.
+        self._reply_queue: dict[int, collections.deque[_PendingRecv]] = {}
         # FFN side: (stage, Attention world rank) -> receive posted ahead. Attention side: the
         # same rule mirrored, stage -> token count the FFN rank has a receive posted for.
         self._posted: dict[tuple[int, int], _PostedRecv] = {}
@@ -429,6 +460,7 @@ class P2PConnector(AFDConnectorBase):
     def _teardown(self) -> None:
         # Pending works hold the gloo context (and its sockets) alive: drop them first.
         self._posted = {}
+        self._reply_queue = {}
         self._after_reply = {}
         self._unreplied = set()
         self._peer_posted = {}
@@ -709,29 +741,33 @@ class P2PConnector(AFDConnectorBase):
         n = metadata.num_tokens[0]
         self.payload_spec.validate_payload(payload, n, self._device_type)
         dst = self._ffn_world_rank
-        state = _PendingRecv(dst)
         stage = metadata.stage_idx
+        state = _PendingRecv(dst, stage, n)
+        tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
         pg = self._data_pg
         works = state.send_works
         try:
             if n:
-                # The reply's receive first: a gloo receive notifies the sender, so the FFN rank
-                # can write its reply as soon as it has it while this rank overlaps other work
-                # (DBO; recv_ffn_output only waits). Posted before the data, the notice is out
-                # of the way of the sends (after them, it stalls them now and then on a busy
-                # host).
-                buffer = self._buffers.get((-1, stage), (n, self._hidden), self._out_dtype)
-                state.buffer = buffer
-                state.recv_work = pg.recv([buffer], dst, _data_tag(stage, 0, False))
+                # The reply's receive first (when no earlier reply of this stage is still
+                # awaited): a gloo receive notifies the sender, so the FFN rank can write its
+                # reply as soon as it has it while this rank overlaps other work (DBO;
+                # recv_ffn_output only waits). Posted before the data, the notice is out of the
+                # way of the sends (after them, it stalls them now and then on a busy host).
+                queue = self._reply_queue.get(stage)
+                if queue is None:
+                    queue = self._reply_queue[stage] = collections.deque()
+                queue.append(state)
+                if len(queue) == 1:
+                    self._post_reply(state, tags)
             if self.check_sequence:
                 header = torch.tensor(
                     [metadata.layer_idx, stage, n], dtype=torch.int64, device=self.device
                 )
-                works.append(pg.send([header], dst, _data_tag(stage, _SEQ_FIELD, True)))
+                works.append(pg.send([header], dst, tags.sequence))
             if n:
-                for name, idx in self._wire_fields:
+                for name, tag in tags.fields:
                     tensor = getattr(payload, name).contiguous()
-                    works.append(pg.send([tensor], dst, _data_tag(stage, idx, True)))
+                    works.append(pg.send([tensor], dst, tag))
         except RuntimeError as err:
             state.send_works.clear()
             state.recv_work = None
@@ -746,6 +782,26 @@ class P2PConnector(AFDConnectorBase):
         handle = AFDTransferHandle(metadata, state, id(self))
         self._handles.add(handle)
         return handle
+
+    def _post_reply(self, state: _PendingRecv, tags: _StageTags) -> None:
+        """Post the receive of ``state``'s reply into a buffer from the pool.
+
+        At most one reply receive per stage is posted ahead of its ``recv_ffn_output``: in a
+        stream (several transfers of a stage sent before any reply is received) the others wait
+        in the stage's queue, so the FFN rank is not sent a receive notice per transfer while it
+        is busy receiving. ``_reply_queue[stage]`` holds the stage's transfers in send order,
+        every posted one before every unposted one.
+        """
+        buffer = self._buffers.get(
+            tags.reply_key, (state.num_tokens, self._hidden), self._out_dtype
+        )
+        state.buffer = buffer
+        state.recv_work = self._data_pg.recv([buffer], state.peer, tags.reply)
+        state.posted = True
+
+    def _make_stage_tags(self, stage: int) -> _StageTags:
+        tags = self._stage_tags[stage] = _StageTags(stage, self._wire_fields, self._served)
+        return tags
 
     def recv_ffn_output(
         self, handle: AFDTransferHandle, out: torch.Tensor | None = None
@@ -772,11 +828,37 @@ class P2PConnector(AFDConnectorBase):
         handle.state = None
         peer = state.peer
         works = [(w, peer) for w in state.send_works]
+        queue = self._reply_queue.get(state.stage) if n else None
+        if queue is not None and not state.posted:
+            # Replies of a stage arrive in order and gloo matches receives in the order they
+            # were posted: post every earlier queued receive first, then this one.
+            tags = self._stage_tags[state.stage]
+            try:
+                for queued in queue:
+                    if not queued.posted:
+                        self._post_reply(queued, tags)
+                    if queued is state:
+                        break
+            except RuntimeError as err:
+                state.send_works.clear()
+                self._fail(err, "recv_ffn_output", peer)
         if state.recv_work is not None:
             works.append((state.recv_work, peer))
         state.send_works = []
         state.recv_work = None
         self._wait(works, "recv_ffn_output")
+        if queue is not None:
+            if queue[0] is state:
+                queue.popleft()
+            else:  # received out of order
+                queue.remove(state)
+            if queue and not queue[0].posted:
+                # A stream of transfers (several sent before any reply): keep the next reply's
+                # receive posted ahead, one at a time.
+                try:
+                    self._post_reply(queue[0], self._stage_tags[state.stage])
+                except RuntimeError as err:
+                    self._fail(err, "recv_ffn_output", peer)
         if self._control_send is not None:  # complete: the FFN rank replied, so it has it
             self._finish_control_send()
         result = state.buffer
@@ -806,21 +888,26 @@ class P2PConnector(AFDConnectorBase):
         """Post the receives of ``stage``'s next transfer (``n`` tokens) from world rank ``src``."""
         posted = _PostedRecv(n)
         pg = self._data_pg
-        tensors = posted.tensors
+        tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
+        works = posted.works
+        tensors: list[torch.Tensor] = []
         try:
             if self.check_sequence:
                 posted.header = torch.empty(3, dtype=torch.int64, device=self.device)
-                posted.works.append(
-                    pg.recv([posted.header], src, _data_tag(stage, _SEQ_FIELD, True))
-                )
-            for idx, spec in enumerate(self.payload_spec.fields):
-                buf = self._buffers.get((stage, src, idx), spec.shape(n), spec.dtype)
-                tensors[spec.name] = buf
+                works.append(pg.recv([posted.header], src, tags.sequence))
+            specs = self.payload_spec.fields
+            for (_, tag), spec, key in zip(tags.fields, specs, tags.recv_keys[src]):  # noqa: B905
+                buf = self._buffers.get(key, spec.shape(n), spec.dtype)
+                tensors.append(buf)
                 if n:
-                    posted.works.append(pg.recv([buf], src, _data_tag(stage, idx, True)))
+                    works.append(pg.recv([buf], src, tag))
         except RuntimeError as err:
-            posted.works.clear()
+            works.clear()
             self._fail(err, "recv_attn_output", src)
+        if len(tensors) == 1:
+            posted.payload = AFDPayload(tensors[0])
+        else:
+            posted.payload = AFDPayload(**dict(zip(self._field_names, tensors, strict=True)))
         return posted
 
     def _post_ahead(self, stage: int, counts: Sequence[int]) -> None:
@@ -870,7 +957,7 @@ class P2PConnector(AFDConnectorBase):
             posted.works = []
         # Everything but the wait happens before it, so the caller gets the data as soon as it
         # is in: the result objects, and (see _schedule_ahead) perhaps the next receive.
-        payloads = [AFDPayload(**posted.tensors) for posted in recvs]
+        payloads: list[AFDPayload] = [posted.payload for posted in recvs]  # type: ignore[misc]
         self._after_reply.pop(stage, None)
         if (
             self.recv_ahead
@@ -948,7 +1035,7 @@ class P2PConnector(AFDConnectorBase):
         counts = self._after_reply.pop(stage, None)
         if counts is not None:  # the next layer's receive goes just before this reply
             self._post_ahead(stage, counts)
-        tag = _data_tag(stage, 0, False)
+        tag = (self._stage_tags.get(stage) or self._make_stage_tags(stage)).reply
         pg = self._data_pg
         works: list[tuple[Any, int]] = []
         try:
