@@ -3,7 +3,7 @@
 Two processes on one host (Attention world rank 0, FFN world rank 1, gloo on CPU). Payload:
 ``hidden_states`` of ``[tokens, 1024]`` float32 (4 KiB per token). The traffic has the shape of
 serving: a *step* is one control message and then ``LAYERS`` layers, one transfer each way per
-layer (one stage). Every connector kind and the raw baselines run in each of ``--repeats`` (3x for ≤ 256 KiB)
+layer (one stage). Every connector kind and the raw baselines run in each of ``--repeats`` (33)
 interleaved repeats (the order rotates per repeat):
 
 * round-trip latency per layer: the Attention side sends, the FFN side sends the same bytes back.
@@ -16,7 +16,7 @@ interleaved repeats (the order rotates per repeat):
   connector's own cost.
 * one-way throughput: the Attention side sends a whole step back to back; the FFN side times
   from the start of the step (P2P: before ``recv_control``, so the control message is paid) until
-  every layer arrived, with one blocking receive call per transfer (the service-loop pattern:
+  every layer arrived (4 steps timed together per repeat up to 256 KiB, 2 above), with one blocking receive call per transfer (the service-loop pattern:
   P2P payloads are dropped once received, raw receives land in buffers allocated once); replies
   go back untimed. Reference "raw pipelined": every receive posted at once.
 
@@ -148,6 +148,13 @@ def _p2p_rtt(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor, steps: int
 
 
 def _raw_oneway(
+    pg: Any, rank: int, x: torch.Tensor, bufs: list[torch.Tensor], pipelined: bool, steps: int
+) -> float:
+    """Seconds the FFN side took to receive ``steps`` steps (0.0 on the Attention side)."""
+    return sum(_raw_oneway_step(pg, rank, x, bufs, pipelined) for _ in range(steps))
+
+
+def _raw_oneway_step(
     pg: Any, rank: int, x: torch.Tensor, bufs: list[torch.Tensor], pipelined: bool
 ) -> float:
     _sync(pg, rank)
@@ -172,7 +179,12 @@ def _raw_oneway(
     return elapsed
 
 
-def _p2p_oneway(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor) -> float:
+def _p2p_oneway(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor, steps: int) -> float:
+    """Seconds the FFN side took to receive ``steps`` steps (0.0 on the Attention side)."""
+    return sum(_p2p_oneway_step(conn, pg, rank, x) for _ in range(steps))
+
+
+def _p2p_oneway_step(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor) -> float:
     n = x.shape[0]
     _sync(pg, rank)
     if rank == 0:
@@ -196,16 +208,19 @@ def _p2p_oneway(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor) -> floa
     return elapsed
 
 
-def _repeats_for(size: int, base: int) -> int:
-    """Repeats per size: small payloads are cheap and noisier (scheduler), so run 3x as many."""
-    return base * 3 if size <= 256 << 10 else base
-
-
 def _steps_for(size: int, quick: bool) -> int:
     """Round-trip steps per repeat: ``LAYERS`` samples each, fewer for the largest payloads."""
     if quick:
         return 1
     return 2 if size <= 1 << 20 else 1
+
+
+def _tp_steps_for(size: int, quick: bool) -> int:
+    """One-way steps per repeat (timed together): a step of small payloads lasts only a few ms,
+    too short for one timing to mean much on a shared host."""
+    if quick:
+        return 1
+    return 4 if size <= 256 << 10 else 2
 
 
 def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool) -> Any:
@@ -231,24 +246,26 @@ def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool
         n = size // BYTES_PER_TOKEN
         x = torch.randn(n, HIDDEN)
         steps = _steps_for(size, quick)
+        tp_steps = _tp_steps_for(size, quick)
         # The raw baselines receive into buffers allocated (and paged in) once per size.
         bufs = [torch.zeros_like(x) for _ in range(LAYERS)]
         rec: dict[str, Any] = {f"{k}_{m}": [] for k in (*KINDS, "rawpipe") for m in ("rtt", "tp")}
         _raw_rtt(raw, rank, x, bufs, 1, False)  # warm-up every path
         for conn in conns.values():
             _p2p_rtt(conn, raw, rank, x, 1)
-        for rep in range(_repeats_for(size, repeats)):
+        for rep in range(repeats):
             order = KINDS[rep % len(KINDS) :] + KINDS[: rep % len(KINDS)]
             for kind in order:
                 if kind == "raw":
                     rec["raw_rtt"].append(_raw_rtt(raw, rank, x, bufs, steps, False))
-                    rec["raw_tp"].append(_raw_oneway(raw, rank, x, bufs, False))
+                    rec["raw_tp"].append(_raw_oneway(raw, rank, x, bufs, False, tp_steps))
                 elif kind == "raw_ahead":
                     rec["raw_ahead_rtt"].append(_raw_rtt(raw, rank, x, bufs, steps, True))
-                    rec["rawpipe_tp"].append(_raw_oneway(raw, rank, x, bufs, True))
+                    rec["rawpipe_tp"].append(_raw_oneway(raw, rank, x, bufs, True, tp_steps))
                 else:
                     rec[f"{kind}_rtt"].append(_p2p_rtt(conns[kind], raw, rank, x, steps))
-                    rec[f"{kind}_tp"].append(_p2p_oneway(conns[kind], raw, rank, x))
+                    rec[f"{kind}_tp"].append(_p2p_oneway(conns[kind], raw, rank, x, tp_steps))
+        rec["tp_steps"] = tp_steps
         out[str(size)] = rec
     for conn in conns.values():
         if rank == 0:
@@ -365,7 +382,7 @@ def summarize(attn: dict[str, Any], ffn: dict[str, Any]) -> list[dict[str, Any]]
             row[f"{kind}_rtt_us_median"] = statistics.median(per_rep)
             row[f"{kind}_rtt_us_p99"] = _percentile(flat, 99) * 1e6
         for kind in TP_KINDS:
-            tps = [size * LAYERS / t / 1e6 for t in f[f"{kind}_tp"]]
+            tps = [size * LAYERS * f["tp_steps"] / t / 1e6 for t in f[f"{kind}_tp"]]
             row[f"{kind}_oneway_MBps_per_repeat"] = tps
             row[f"{kind}_oneway_MBps_median"] = statistics.median(tps)
             row[f"{kind}_oneway_MBps_min"] = min(tps)
@@ -450,9 +467,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, help="JSON results file")
     parser.add_argument("--quick", action="store_true", help="tiny run (harness check)")
     parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated payload sizes in bytes (default: 4 KiB-16 MiB)",
+    )
     args = parser.parse_args(argv)
     sizes = QUICK_SIZES if args.quick else FULL_SIZES
-    repeats = args.repeats or (2 if args.quick else 11)
+    if args.sizes:
+        sizes = [int(v) for v in args.sizes.split(",")]
+        if any(v < BYTES_PER_TOKEN or v % BYTES_PER_TOKEN for v in sizes):
+            parser.error(f"--sizes: each size must be a positive multiple of {BYTES_PER_TOKEN}")
+    repeats = args.repeats or (2 if args.quick else 33)
     results = run_world(bench_rank, 2, free_port(), sizes, repeats, args.quick, timeout_s=1800)
     for rank, outcome in results.items():
         if outcome[0] != "ok":
@@ -465,9 +491,10 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "afd-core P2P connector vs raw gloo send/recv",
         "config": {
             "sizes_bytes": sizes,
-            "repeats": {str(s): _repeats_for(s, repeats) for s in sizes},
+            "repeats": repeats,
             "layers_per_step": LAYERS,
             "rtt_steps_per_repeat": {str(s): _steps_for(s, args.quick) for s in sizes},
+            "oneway_steps_per_repeat": {str(s): _tp_steps_for(s, args.quick) for s in sizes},
             "hidden": HIDDEN,
             "dtype": "float32",
             "quick": args.quick,

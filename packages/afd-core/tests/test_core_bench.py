@@ -33,7 +33,8 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
             assert row[f"{kind}_rtt_us_p99"] >= row[f"{kind}_rtt_us_median"] > 0
         for kind in ("raw", "rawpipe", "p2p", "p2p_reuse", "p2p_late"):
             assert row[f"{kind}_oneway_MBps_median"] >= row[f"{kind}_oneway_MBps_min"] > 0
-        repeats = doc["config"]["repeats"][str(row["size_bytes"])]
+        repeats = doc["config"]["repeats"]
+        assert doc["config"]["oneway_steps_per_repeat"][str(row["size_bytes"])] == 1  # quick
         for kind in ("p2p", "p2p_reuse", "p2p_late"):
             # Paired by repeat: medians over repeats of the per-repeat ratio and difference.
             tp, tp_raw = row[f"{kind}_oneway_MBps_per_repeat"], row["raw_oneway_MBps_per_repeat"]
