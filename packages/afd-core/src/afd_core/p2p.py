@@ -31,8 +31,10 @@ round trip per transfer. Besides the Attention side's early reply receive, the F
 (``recv_ahead``, on by default) uses what the control message tells it (every stage's token
 counts for the whole step): it posts each stage's first receive as soon as the control message
 arrives, and the receive of layer ``l + 1`` together with the reply of layer ``l`` of that stage
-(or, when the caller receives several layers before replying, when it asks for layer ``l``), up
-to layer ``num_layers - 1``. The next step's control receive is likewise posted when a control
+(its buffer and payload are taken earlier, when the caller asks for layer ``l``, so only the
+posting sits between the data's arrival and the reply; a stage thus cycles through three
+buffers while the caller keeps the previous payload), or, when the caller receives several
+layers before replying, when it asks for layer ``l``, up to layer ``num_layers - 1``. The next step's control receive is likewise posted when a control
 message arrives, and ``send_control`` does not wait for its message (except shutdown). Matching
 on the wire is unchanged (the first message on a (peer, tag) goes to the first receive); only
 the moment a receive is posted moves. A step that stops before its last layer leaves a receive
@@ -193,12 +195,13 @@ class _PendingRecv:
 class _PostedRecv:
     """FFN side: the posted receive of one stage's next transfer from one Attention rank."""
 
-    __slots__ = ("header", "num_tokens", "payload", "works")
+    __slots__ = ("header", "num_tokens", "payload", "tensors", "works")
 
     def __init__(self, num_tokens: int) -> None:
         self.num_tokens = num_tokens
         self.header: torch.Tensor | None = None
-        self.payload: AFDPayload | None = None  # built when posted: off the receive's path
+        self.tensors: list[torch.Tensor] = []  # one per payload field, in wire order
+        self.payload: AFDPayload | None = None  # built when prepared: off the receive's path
         self.works: list[Any] = []
 
 
@@ -273,7 +276,8 @@ class P2PConnector(AFDConnectorBase):
         # FFN side: (stage, Attention world rank) -> receive posted ahead. Attention side: the
         # same rule mirrored, stage -> token count the FFN rank has a receive posted for.
         self._posted: dict[tuple[int, int], _PostedRecv] = {}
-        self._after_reply: dict[int, tuple[int, ...]] = {}  # FFN: stage -> counts to post
+        # FFN: stage -> (Attention world rank, prepared receive) to post with the stage's reply.
+        self._after_reply: dict[int, list[tuple[int, _PostedRecv]]] = {}
         self._unreplied: set[int] = set()  # FFN: stages received but not yet replied to
         self._peer_posted: dict[int, int] = {}
         self._last_received: AFDTransferMetadata | None = None  # FFN: of the last receive
@@ -886,29 +890,38 @@ class P2PConnector(AFDConnectorBase):
 
     def _post_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
         """Post the receives of ``stage``'s next transfer (``n`` tokens) from world rank ``src``."""
+        posted = self._prepare_recv(stage, src, n)
+        self._start_recv(posted, stage, src)
+        return posted
+
+    def _prepare_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
+        """The buffers and payload of ``stage``'s next transfer from ``src``, not yet posted."""
         posted = _PostedRecv(n)
-        pg = self._data_pg
         tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
-        works = posted.works
-        tensors: list[torch.Tensor] = []
-        try:
-            if self.check_sequence:
-                posted.header = torch.empty(3, dtype=torch.int64, device=self.device)
-                works.append(pg.recv([posted.header], src, tags.sequence))
-            specs = self.payload_spec.fields
-            for (_, tag), spec, key in zip(tags.fields, specs, tags.recv_keys[src]):  # noqa: B905
-                buf = self._buffers.get(key, spec.shape(n), spec.dtype)
-                tensors.append(buf)
-                if n:
-                    works.append(pg.recv([buf], src, tag))
-        except RuntimeError as err:
-            works.clear()
-            self._fail(err, "recv_attn_output", src)
+        tensors = posted.tensors
+        for spec, key in zip(self.payload_spec.fields, tags.recv_keys[src]):  # noqa: B905
+            tensors.append(self._buffers.get(key, spec.shape(n), spec.dtype))
         if len(tensors) == 1:
             posted.payload = AFDPayload(tensors[0])
         else:
             posted.payload = AFDPayload(**dict(zip(self._field_names, tensors, strict=True)))
         return posted
+
+    def _start_recv(self, posted: _PostedRecv, stage: int, src: int) -> None:
+        """Post the receives of a prepared transfer (nothing is posted for zero tokens)."""
+        tags = self._stage_tags[stage]
+        pg = self._data_pg
+        works = posted.works
+        try:
+            if self.check_sequence:
+                posted.header = torch.empty(3, dtype=torch.int64, device=self.device)
+                works.append(pg.recv([posted.header], src, tags.sequence))
+            if posted.num_tokens:
+                for (_, tag), buf in zip(tags.fields, posted.tensors):  # noqa: B905
+                    works.append(pg.recv([buf], src, tag))
+        except RuntimeError as err:
+            works.clear()
+            self._fail(err, "recv_attn_output", src)
 
     def _post_ahead(self, stage: int, counts: Sequence[int]) -> None:
         for src, n in zip(self._served, counts, strict=True):
@@ -985,7 +998,13 @@ class P2PConnector(AFDConnectorBase):
         if stage in self._unreplied:
             self._post_ahead(stage, counts)
         else:
-            self._after_reply[stage] = counts
+            # Buffers and payload now, before the wait (off the path between the data's arrival
+            # and the reply); only the posting waits for the reply.
+            self._after_reply[stage] = [
+                (src, self._prepare_recv(stage, src, n))
+                for src, n in zip(self._served, counts, strict=True)
+                if n and (stage, src) not in self._posted
+            ]
 
     def _check_headers(self, metadata: AFDTransferMetadata, recvs: list[_PostedRecv]) -> None:
         stage = metadata.stage_idx
@@ -1032,9 +1051,12 @@ class P2PConnector(AFDConnectorBase):
             AFDPayloadSpec.validate_tensor(spec, part, n, device_type, name="outputs")
         stage = metadata.stage_idx
         self._unreplied.discard(stage)
-        counts = self._after_reply.pop(stage, None)
-        if counts is not None:  # the next layer's receive goes just before this reply
-            self._post_ahead(stage, counts)
+        prepared = self._after_reply.pop(stage, None)
+        if prepared:  # the next layer's receive goes just before this reply
+            for src, posted in prepared:
+                if (stage, src) not in self._posted:
+                    self._start_recv(posted, stage, src)
+                    self._posted[stage, src] = posted
         tag = (self._stage_tags.get(stage) or self._make_stage_tags(stage)).reply
         pg = self._data_pg
         works: list[tuple[Any, int]] = []
