@@ -16,9 +16,9 @@ interleaved repeats (the order rotates per repeat):
   connector's own cost.
 * one-way throughput: the Attention side sends a whole step back to back; the FFN side times
   from the start of the step (P2P: before ``recv_control``, so the control message is paid) until
-  every layer arrived (4 steps timed together per repeat up to 256 KiB, 2 above), with one blocking receive call per transfer (the service-loop pattern:
-  P2P payloads are dropped once received, raw receives land in buffers allocated once); replies
-  go back untimed. Reference "raw pipelined": every receive posted at once.
+  every layer arrived (4 steps timed together per repeat up to 256 KiB, 2 above), with one
+  blocking receive call per transfer (the service-loop pattern: P2P payloads are dropped once
+  received, raw receives land in buffers allocated once); replies go back untimed. Reference "raw pipelined": every receive posted at once.
 
 Connector kinds: ``p2p`` (defaults: recycled receive buffers, receives posted ahead),
 ``p2p_reuse`` (``reuse_buffers``: kept buffers) and ``p2p_late`` (``recv_ahead`` off).

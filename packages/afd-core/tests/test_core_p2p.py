@@ -325,7 +325,9 @@ def test_ffn_rejects_a_step_that_conflicts_with_a_posted_receive() -> None:
         AFDConfig(role=AFDRole.FFN, num_attention_ranks=2), payload_spec=spec(), num_layers=3
     )
     conn._initialized = True  # the check runs before the (absent) group is touched
-    conn._posted[(0, 1)] = _PostedRecv(4)  # stage 0, world rank 1 (Attention rank 1)
+    buf = torch.empty(4, 16)
+    posted = _PostedRecv(4, [buf], AFDPayload(buf))
+    conn._posted[(0, 1)] = posted  # stage 0, world rank 1 (Attention rank 1)
     # Same count for that rank (the other rank's count is free): kept, nothing new posted
     # because recv_ahead posting needs a group; disable it to test the check alone.
     conn.recv_ahead = False

@@ -34,14 +34,15 @@ arrives, and the receive of layer ``l + 1`` together with the reply of layer ``l
 (its buffer and payload are taken earlier, when the caller asks for layer ``l``, so only the
 posting sits between the data's arrival and the reply; a stage thus cycles through three
 buffers while the caller keeps the previous payload), or, when the caller receives several
-layers before replying, when it asks for layer ``l``, up to layer ``num_layers - 1``. The next step's control receive is likewise posted when a control
-message arrives, and ``send_control`` does not wait for its message (except shutdown). Matching
-on the wire is unchanged (the first message on a (peer, tag) goes to the first receive); only
-the moment a receive is posted moves. A step that stops before its last layer leaves a receive
-posted: the next step may keep that stage's count (the receive is then used); another count is
-refused with :class:`AFDProtocolError` by ``send_control`` before anything is sent (and checked
-again on the FFN side), because a posted gloo receive cannot be withdrawn and a size mismatch
-aborts the receiving process.
+layers before replying, when it asks for layer ``l``, up to layer ``num_layers - 1``. The next
+step's control receive is likewise posted when a control message arrives, and ``send_control``
+does not wait for its message (except shutdown). Matching on the wire is unchanged (the first
+message on a (peer, tag) goes to the first receive); only the moment a receive is posted moves.
+A step that stops before its last layer leaves a receive posted: the next step may keep that
+stage's count (the receive is then used); another count is refused with
+:class:`AFDProtocolError` by ``send_control`` before anything is sent (and checked again on the
+FFN side), because a posted gloo receive cannot be withdrawn and a size mismatch aborts the
+receiving process.
 
 Receive buffers come from :class:`afd_core.buffers.RecvBufferPool` (recycled on CPU, kept with
 ``reuse_buffers``, fresh elsewhere).
@@ -197,11 +198,11 @@ class _PostedRecv:
 
     __slots__ = ("header", "num_tokens", "payload", "tensors", "works")
 
-    def __init__(self, num_tokens: int) -> None:
+    def __init__(self, num_tokens: int, tensors: list[torch.Tensor], payload: AFDPayload) -> None:
         self.num_tokens = num_tokens
         self.header: torch.Tensor | None = None
-        self.tensors: list[torch.Tensor] = []  # one per payload field, in wire order
-        self.payload: AFDPayload | None = None  # built when prepared: off the receive's path
+        self.tensors = tensors  # one per payload field, in wire order
+        self.payload = payload  # built when prepared: off the receive's path
         self.works: list[Any] = []
 
 
@@ -265,7 +266,6 @@ class P2PConnector(AFDConnectorBase):
         self.recv_ahead = bool(config.connector_extra_config.get("recv_ahead", True))
         # Hot-path constants: (field name, index) in wire order, and the reply's width/dtype.
         self._wire_fields = tuple((f.name, i) for i, f in enumerate(payload_spec.fields))
-        self._field_names = tuple(f.name for f in payload_spec.fields)
         self._out_dtype = payload_spec.dtype
         self._hidden = payload_spec.hidden_size
         self._reply_spec = payload_spec.fields[0]
@@ -896,16 +896,17 @@ class P2PConnector(AFDConnectorBase):
 
     def _prepare_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
         """The buffers and payload of ``stage``'s next transfer from ``src``, not yet posted."""
-        posted = _PostedRecv(n)
         tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
-        tensors = posted.tensors
-        for spec, key in zip(self.payload_spec.fields, tags.recv_keys[src]):  # noqa: B905
-            tensors.append(self._buffers.get(key, spec.shape(n), spec.dtype))
+        specs = self.payload_spec.fields
+        tensors = [
+            self._buffers.get(key, spec.shape(n), spec.dtype)
+            for spec, key in zip(specs, tags.recv_keys[src])  # noqa: B905
+        ]
         if len(tensors) == 1:
-            posted.payload = AFDPayload(tensors[0])
+            payload = AFDPayload(tensors[0])
         else:
-            posted.payload = AFDPayload(**dict(zip(self._field_names, tensors, strict=True)))
-        return posted
+            payload = AFDPayload(**{spec.name: t for spec, t in zip(specs, tensors)})  # noqa: B905
+        return _PostedRecv(n, tensors, payload)
 
     def _start_recv(self, posted: _PostedRecv, stage: int, src: int) -> None:
         """Post the receives of a prepared transfer (nothing is posted for zero tokens)."""
@@ -970,7 +971,7 @@ class P2PConnector(AFDConnectorBase):
             posted.works = []
         # Everything but the wait happens before it, so the caller gets the data as soon as it
         # is in: the result objects, and (see _schedule_ahead) perhaps the next receive.
-        payloads: list[AFDPayload] = [posted.payload for posted in recvs]  # type: ignore[misc]
+        payloads = [posted.payload for posted in recvs]
         self._after_reply.pop(stage, None)
         if (
             self.recv_ahead
