@@ -6,9 +6,14 @@ serving: a *step* is one control message and then ``LAYERS`` layers, one transfe
 layer (one stage). Every connector kind and the raw baselines run in each of ``--repeats`` (33)
 interleaved repeats (the order rotates per repeat):
 
+* Same process groups: each connector kind's raw baseline runs on that connector's own gloo
+  groups (data on its data group, the step-aligning sync on its control group), so a compared
+  pair shares sockets and gloo I/O threads. Two gloo groups of one process can differ by tens
+  of percent for identical code (where the kernel places each group's I/O thread), which a
+  baseline on a separate group would attribute to the connector.
 * round-trip latency per layer: the Attention side sends, the FFN side sends the same bytes back.
   P2P: ``send_attn_output`` + ``recv_ffn_output`` / ``recv_attn_output`` + ``send_ffn_output``;
-  raw: ``send`` + ``recv`` on a ProcessGroupGloo, each receive posted when the call is made,
+  raw: ``send`` + ``recv``, each receive posted when the call is made,
   into one preallocated buffer per side that every layer overwrites (the straightforward use of
   the API, the baseline of the targets). Reference "raw, connector pattern": the FFN side posts
   each receive a layer early and both sides receive into two buffers in turn, as the connector
@@ -21,7 +26,9 @@ interleaved repeats (the order rotates per repeat):
   received, raw receives land in buffers allocated once); replies go back untimed. Reference "raw pipelined": every receive posted at once.
 
 Connector kinds: ``p2p`` (defaults: recycled receive buffers, receives posted ahead),
-``p2p_reuse`` (``reuse_buffers``: kept buffers) and ``p2p_late`` (``recv_ahead`` off).
+``p2p_reuse`` (``reuse_buffers``: kept buffers) and ``p2p_late`` (``recv_ahead`` off). Their raw
+baselines: ``raw`` (with the references ``raw_ahead`` and ``rawpipe``) on ``p2p``'s groups,
+``raw_reuse`` and ``raw_late`` on the other two connectors' groups.
 
 Also measured in-process (no I/O, free of scheduler noise): the connector's own cost per call
 (``send_attn_output`` + ``recv_ffn_output`` and ``recv_attn_output`` + ``send_ffn_output``
@@ -50,15 +57,12 @@ import platform
 import statistics
 import sys
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
 from afd_core.p2p import P2PConnector
-from afd_core.startup import open_tcp_store
 from afd_core.testing import free_port, run_world
 from afd_core.topology import AFDTopology
 
@@ -68,12 +72,21 @@ LAYERS = 48  # Qwen3-30B-A3B's layer count: one step's control message is amorti
 FULL_SIZES = [4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20]
 QUICK_SIZES = [4 << 10, 64 << 10]
 RAW_TAG, RAW_TAG_BACK = 11, 12
-KINDS = ("raw", "raw_ahead", "p2p", "p2p_reuse", "p2p_late")
 CONNECTOR_EXTRA: dict[str, dict[str, bool]] = {
     "p2p": {},
     "p2p_reuse": {"reuse_buffers": True},
     "p2p_late": {"recv_ahead": False},
 }
+#: Each connector kind's raw baseline, measured on that connector's own process groups.
+RAW_BASE = {"p2p": "raw", "p2p_reuse": "raw_reuse", "p2p_late": "raw_late"}
+#: kind -> the connector whose groups it runs on (the raw kinds included).
+GROUP_OF = {
+    "raw": "p2p",
+    "raw_ahead": "p2p",
+    **{kind: kind for kind in CONNECTOR_EXTRA},
+    **{raw: kind for kind, raw in RAW_BASE.items() if raw != "raw"},
+}
+KINDS = ("raw", "raw_ahead", "p2p", "raw_reuse", "p2p_reuse", "raw_late", "p2p_late")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -83,7 +96,8 @@ def _percentile(values: list[float], q: float) -> float:
 
 
 def _sync(pg: Any, rank: int) -> None:
-    """A tiny round trip on the raw group: both sides leave together (roughly)."""
+    """A tiny round trip (on the measured connector's control group): both sides leave
+    together (roughly)."""
     t = torch.zeros(1)
     if rank == 0:
         pg.send([t], 1, 99).wait()
@@ -94,13 +108,20 @@ def _sync(pg: Any, rank: int) -> None:
 
 
 def _raw_rtt(
-    pg: Any, rank: int, x: torch.Tensor, bufs: list[torch.Tensor], steps: int, ahead: bool
+    groups: tuple[Any, Any],
+    rank: int,
+    x: torch.Tensor,
+    bufs: list[torch.Tensor],
+    steps: int,
+    ahead: bool,
 ) -> list[float]:
-    """``steps`` x ``LAYERS`` raw round trips; ``ahead``: the connector's pattern (the FFN side
-    posts each receive a layer early, both sides receive into two buffers in turn)."""
+    """``steps`` x ``LAYERS`` raw round trips on ``groups`` (data, sync); ``ahead``: the
+    connector's pattern (the FFN side posts each receive a layer early, both sides receive into
+    two buffers in turn)."""
+    pg, sync_pg = groups
     samples = []
     for _ in range(steps):
-        _sync(pg, rank)
+        _sync(sync_pg, rank)
         if rank == 0:
             for layer in range(LAYERS):
                 y = bufs[layer % 2] if ahead else bufs[0]
@@ -124,12 +145,12 @@ def _raw_rtt(
     return samples
 
 
-def _p2p_rtt(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor, steps: int) -> list[float]:
+def _p2p_rtt(conn: P2PConnector, rank: int, x: torch.Tensor, steps: int) -> list[float]:
     n = x.shape[0]
     samples = []
     payload = AFDPayload(x)
     for _ in range(steps):
-        _sync(pg, rank)
+        _sync(_groups(conn)[1], rank)
         if rank == 0:
             conn.send_control(AFDControlMessage(((n,),)))
             for layer in range(LAYERS):
@@ -148,16 +169,22 @@ def _p2p_rtt(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor, steps: int
 
 
 def _raw_oneway(
-    pg: Any, rank: int, x: torch.Tensor, bufs: list[torch.Tensor], pipelined: bool, steps: int
+    groups: tuple[Any, Any],
+    rank: int,
+    x: torch.Tensor,
+    bufs: list[torch.Tensor],
+    pipelined: bool,
+    steps: int,
 ) -> float:
     """Seconds the FFN side took to receive ``steps`` steps (0.0 on the Attention side)."""
-    return sum(_raw_oneway_step(pg, rank, x, bufs, pipelined) for _ in range(steps))
+    return sum(_raw_oneway_step(groups, rank, x, bufs, pipelined) for _ in range(steps))
 
 
 def _raw_oneway_step(
-    pg: Any, rank: int, x: torch.Tensor, bufs: list[torch.Tensor], pipelined: bool
+    groups: tuple[Any, Any], rank: int, x: torch.Tensor, bufs: list[torch.Tensor], pipelined: bool
 ) -> float:
-    _sync(pg, rank)
+    pg, sync_pg = groups
+    _sync(sync_pg, rank)
     if rank == 0:
         works = [pg.send([x], 1, 200 + i) for i in range(LAYERS)]
         for w in works:
@@ -179,14 +206,14 @@ def _raw_oneway_step(
     return elapsed
 
 
-def _p2p_oneway(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor, steps: int) -> float:
+def _p2p_oneway(conn: P2PConnector, rank: int, x: torch.Tensor, steps: int) -> float:
     """Seconds the FFN side took to receive ``steps`` steps (0.0 on the Attention side)."""
-    return sum(_p2p_oneway_step(conn, pg, rank, x) for _ in range(steps))
+    return sum(_p2p_oneway_step(conn, rank, x) for _ in range(steps))
 
 
-def _p2p_oneway_step(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor) -> float:
+def _p2p_oneway_step(conn: P2PConnector, rank: int, x: torch.Tensor) -> float:
     n = x.shape[0]
-    _sync(pg, rank)
+    _sync(_groups(conn)[1], rank)
     if rank == 0:
         conn.send_control(AFDControlMessage(((n,),)))
         payload = AFDPayload(x)
@@ -206,6 +233,12 @@ def _p2p_oneway_step(conn: P2PConnector, pg: Any, rank: int, x: torch.Tensor) ->
     for layer in range(LAYERS):
         conn.send_ffn_output([x], ctl.transfer_metadata(layer, 0))
     return elapsed
+
+
+def _groups(conn: P2PConnector) -> tuple[Any, Any]:
+    """The connector's (data, control) gloo groups: its raw baseline runs on the same ones.
+    The sync's tags (98, 99) and the raw tags lie outside the tags a one-stage step uses."""
+    return conn._data_pg, conn._ctl_pg
 
 
 def _steps_for(size: int, quick: bool) -> int:
@@ -233,10 +266,6 @@ def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool
         cfg = AFDConfig(role=role, port=port, timeout_s=120.0, connector_extra_config=extra)
         conns[kind] = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=LAYERS)
         conns[kind].init()
-    store = open_tcp_store("127.0.0.1", port, is_master=rank == 0, timeout_s=60.0)
-    raw = dist.ProcessGroupGloo(
-        dist.PrefixStore("bench/raw", store), rank, 2, timedelta(seconds=120)
-    )
     # As vLLM does after engine start-up (vllm.utils.gc_utils.freeze_gc_heap): objects that live
     # for the whole run leave the collector's scans, so a collection pauses for what is new.
     gc.collect()
@@ -250,21 +279,24 @@ def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool
         # The raw baselines receive into buffers allocated (and paged in) once per size.
         bufs = [torch.zeros_like(x) for _ in range(LAYERS)]
         rec: dict[str, Any] = {f"{k}_{m}": [] for k in (*KINDS, "rawpipe") for m in ("rtt", "tp")}
-        _raw_rtt(raw, rank, x, bufs, 1, False)  # warm-up every path
-        for conn in conns.values():
-            _p2p_rtt(conn, raw, rank, x, 1)
+        for conn in conns.values():  # warm-up every path
+            _raw_rtt(_groups(conn), rank, x, bufs, 1, False)
+            _p2p_rtt(conn, rank, x, 1)
         for rep in range(repeats):
             order = KINDS[rep % len(KINDS) :] + KINDS[: rep % len(KINDS)]
             for kind in order:
-                if kind == "raw":
-                    rec["raw_rtt"].append(_raw_rtt(raw, rank, x, bufs, steps, False))
-                    rec["raw_tp"].append(_raw_oneway(raw, rank, x, bufs, False, tp_steps))
-                elif kind == "raw_ahead":
-                    rec["raw_ahead_rtt"].append(_raw_rtt(raw, rank, x, bufs, steps, True))
-                    rec["rawpipe_tp"].append(_raw_oneway(raw, rank, x, bufs, True, tp_steps))
+                conn = conns[GROUP_OF[kind]]
+                if kind == "raw_ahead":
+                    groups = _groups(conn)
+                    rec["raw_ahead_rtt"].append(_raw_rtt(groups, rank, x, bufs, steps, True))
+                    rec["rawpipe_tp"].append(_raw_oneway(groups, rank, x, bufs, True, tp_steps))
+                elif kind.startswith("raw"):
+                    groups = _groups(conn)
+                    rec[f"{kind}_rtt"].append(_raw_rtt(groups, rank, x, bufs, steps, False))
+                    rec[f"{kind}_tp"].append(_raw_oneway(groups, rank, x, bufs, False, tp_steps))
                 else:
-                    rec[f"{kind}_rtt"].append(_p2p_rtt(conns[kind], raw, rank, x, steps))
-                    rec[f"{kind}_tp"].append(_p2p_oneway(conns[kind], raw, rank, x, tp_steps))
+                    rec[f"{kind}_rtt"].append(_p2p_rtt(conn, rank, x, steps))
+                    rec[f"{kind}_tp"].append(_p2p_oneway(conn, rank, x, tp_steps))
         rec["tp_steps"] = tp_steps
         out[str(size)] = rec
     for conn in conns.values():
@@ -340,8 +372,9 @@ def overhead_us(tokens: int = 16, iters: int = 20000, repeats: int = 7) -> dict[
 
 P2P_KINDS = tuple(CONNECTOR_EXTRA)
 TABLE_KINDS = ("p2p", "p2p_reuse")  # p2p_late (recv_ahead off) is in the JSON only
-TP_KINDS = ("raw", "rawpipe", *P2P_KINDS)
-RTT_KINDS = ("raw", "raw_ahead", *P2P_KINDS)
+# One-way: raw_ahead's slot measures the reference with every receive posted at once.
+TP_KINDS = tuple("rawpipe" if k == "raw_ahead" else k for k in KINDS)
+RTT_KINDS = KINDS
 LATENCY_TARGET_US = 20.0
 CALLS_PER_RTT = 4
 THROUGHPUT_TARGET = 0.9
@@ -387,13 +420,14 @@ def summarize(attn: dict[str, Any], ffn: dict[str, Any]) -> list[dict[str, Any]]
             row[f"{kind}_oneway_MBps_median"] = statistics.median(tps)
             row[f"{kind}_oneway_MBps_min"] = min(tps)
         for kind in P2P_KINDS:
-            added_rtt = paired_added_us(row, kind, "raw")
+            base = RAW_BASE[kind]
+            added_rtt = paired_added_us(row, kind, base)
             row[f"{kind}_added_us_per_call"] = added_rtt / CALLS_PER_RTT
             row[f"{kind}_added_us_per_transfer"] = added_rtt / 2
             row[f"{kind}_added_us_per_call_vs_raw_ahead"] = (
                 paired_added_us(row, kind, "raw_ahead") / CALLS_PER_RTT
             )
-            row[f"{kind}_throughput_ratio"] = paired_ratio(row, kind, "raw")
+            row[f"{kind}_throughput_ratio"] = paired_ratio(row, kind, base)
             row[f"{kind}_throughput_ratio_vs_pipelined"] = paired_ratio(row, kind, "rawpipe")
         rows.append(row)
     return rows
@@ -425,7 +459,9 @@ def _fmt_size(size: int) -> str:
 
 def table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "Round-trip latency per layer, µs (median / P99); added per call = (P2P − raw) / 4:",
+        "Round-trip latency per layer, µs (median / P99); added per call = (P2P − raw) / 4, each"
+        " connector kind against raw on its own process groups (the raw column: the default"
+        " connector's):",
         "",
         "| size | raw | raw, connector pattern (ref.) | P2P | added | P2P reuse_buffers | added |",
         "|---|---|---|---|---|---|---|",
@@ -442,7 +478,8 @@ def table(rows: list[dict[str, Any]]) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "One-way throughput, MB/s (median / min over repeats); ratio = P2P / raw:",
+        "One-way throughput, MB/s (median / min over repeats); ratio = P2P / raw (each kind"
+        " against raw on its own process groups):",
         "",
         "| size | raw | raw pipelined (ref.) | P2P | ratio | P2P reuse_buffers | ratio |",
         "|---|---|---|---|---|---|---|",

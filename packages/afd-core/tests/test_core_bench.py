@@ -29,20 +29,22 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
     sizes = doc["config"]["sizes_bytes"]
     assert [row["size_bytes"] for row in doc["rows"]] == sizes
     for row in doc["rows"]:
-        for kind in ("raw", "raw_ahead", "p2p", "p2p_reuse", "p2p_late"):
+        raws = ("raw", "raw_reuse", "raw_late")
+        for kind in (*raws, "raw_ahead", "p2p", "p2p_reuse", "p2p_late"):
             assert row[f"{kind}_rtt_us_p99"] >= row[f"{kind}_rtt_us_median"] > 0
-        for kind in ("raw", "rawpipe", "p2p", "p2p_reuse", "p2p_late"):
+        for kind in (*raws, "rawpipe", "p2p", "p2p_reuse", "p2p_late"):
             assert row[f"{kind}_oneway_MBps_median"] >= row[f"{kind}_oneway_MBps_min"] > 0
         repeats = doc["config"]["repeats"]
         assert doc["config"]["oneway_steps_per_repeat"][str(row["size_bytes"])] == 1  # quick
-        for kind in ("p2p", "p2p_reuse", "p2p_late"):
-            # Paired by repeat: medians over repeats of the per-repeat ratio and difference.
-            tp, tp_raw = row[f"{kind}_oneway_MBps_per_repeat"], row["raw_oneway_MBps_per_repeat"]
+        for kind, raw in zip(("p2p", "p2p_reuse", "p2p_late"), raws, strict=True):
+            # Paired by repeat against the raw baseline on the same connector's groups: medians
+            # over repeats of the per-repeat ratio and difference.
+            tp, tp_raw = row[f"{kind}_oneway_MBps_per_repeat"], row[f"{raw}_oneway_MBps_per_repeat"]
             assert len(tp) == len(tp_raw) == repeats
             assert row[f"{kind}_throughput_ratio"] == pytest.approx(
                 statistics.median(p / r for p, r in zip(tp, tp_raw, strict=True))
             )
-            rtt, rtt_raw = row[f"{kind}_rtt_us_per_repeat"], row["raw_rtt_us_per_repeat"]
+            rtt, rtt_raw = row[f"{kind}_rtt_us_per_repeat"], row[f"{raw}_rtt_us_per_repeat"]
             added = statistics.median(p - r for p, r in zip(rtt, rtt_raw, strict=True))
             assert row[f"{kind}_added_us_per_call"] == pytest.approx(added / 4)
             assert row[f"{kind}_added_us_per_transfer"] == pytest.approx(added / 2)
