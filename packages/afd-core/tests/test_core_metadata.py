@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -60,6 +61,21 @@ def test_payload_fields() -> None:
     with pytest.raises(AFDPayloadError) as info:
         AFDPayload(h, router_logits=[1.0])  # type: ignore[arg-type]
     assert info.value.field == "router_logits"
+
+
+def test_payload_of_hidden_states_is_the_plain_payload() -> None:
+    """The connectors' receive fast path builds the same object as ``AFDPayload(h)``."""
+    h = torch.arange(12.0).reshape(3, 4)
+    fast, plain = AFDPayload._of_hidden_states(h), AFDPayload(h)
+    assert type(fast) is AFDPayload and fast.hidden_states is h
+    for f in dataclasses.fields(AFDPayload):  # the other fields: None, as in the plain one
+        assert getattr(fast, f.name) is getattr(plain, f.name)
+    assert fast.present_fields == plain.present_fields == ("hidden_states",)
+    assert fast.num_tokens == 3 and list(fast.tensors()) == ["hidden_states"]
+    assert repr(fast) == repr(plain)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fast.router_logits = h  # type: ignore[misc]
+    AFDPayloadSpec(hidden_size=4, dtype=torch.float32).validate_payload(fast, 3, "cpu")
 
 
 def full_spec() -> AFDPayloadSpec:

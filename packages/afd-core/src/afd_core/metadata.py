@@ -153,6 +153,16 @@ class AFDPayload:
             if not isinstance(value, torch.Tensor):
                 raise AFDPayloadError(name, type(value).__name__, "a torch.Tensor")
 
+    @classmethod
+    def _of_hidden_states(cls, hidden_states: torch.Tensor) -> AFDPayload:
+        """``AFDPayload(hidden_states)`` for a tensor a connector just allocated (a receive
+        buffer): the same object, without the dataclass ``__init__`` and ``__post_init__``
+        (hot path: once per received transfer). The other fields read their ``None`` defaults
+        from the class."""
+        payload = object.__new__(cls)
+        object.__setattr__(payload, "hidden_states", hidden_states)
+        return payload
+
     @property
     def present_fields(self) -> tuple[str, ...]:
         """Names of the non-``None`` fields, in wire order."""

@@ -269,6 +269,8 @@ class P2PConnector(AFDConnectorBase):
         self._out_dtype = payload_spec.dtype
         self._hidden = payload_spec.hidden_size
         self._reply_spec = payload_spec.fields[0]
+        self._hidden_only = len(payload_spec.fields) == 1
+        self._is_ffn = self.role is AFDRole.FFN
         self._buffers = RecvBufferPool(self.device, keep=self.reuse_buffers)
         self._stage_tags: dict[int, _StageTags] = {}
         # Attention side: stage -> its transfers awaiting a reply, in send order.
@@ -740,8 +742,18 @@ class P2PConnector(AFDConnectorBase):
     def send_attn_output(
         self, payload: AFDPayload, metadata: AFDTransferMetadata
     ) -> AFDTransferHandle:
-        self._check_ready(AFDRole.ATTENTION, "send_attn_output")
-        self._check_metadata(metadata, self._announced)
+        announced = self._announced
+        if not (  # the hot path: the count this step's control message announced
+            self._initialized
+            and not self._is_ffn
+            and type(metadata) is AFDTransferMetadata
+            and announced is not None
+            and metadata.layer_idx < self.num_layers
+            and metadata.stage_idx < len(announced)
+            and metadata.num_tokens == (announced[metadata.stage_idx],)
+        ):
+            self._check_ready(AFDRole.ATTENTION, "send_attn_output")
+            self._check_metadata(metadata, announced)
         n = metadata.num_tokens[0]
         self.payload_spec.validate_payload(payload, n, self._device_type)
         dst = self._ffn_world_rank
@@ -897,15 +909,16 @@ class P2PConnector(AFDConnectorBase):
     def _prepare_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
         """The buffers and payload of ``stage``'s next transfer from ``src``, not yet posted."""
         tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
+        keys = tags.recv_keys[src]
+        if self._hidden_only:
+            buf = self._buffers.get(keys[0], (n, self._hidden), self._out_dtype)
+            return _PostedRecv(n, [buf], AFDPayload._of_hidden_states(buf))
         specs = self.payload_spec.fields
         tensors = [
             self._buffers.get(key, spec.shape(n), spec.dtype)
-            for spec, key in zip(specs, tags.recv_keys[src])  # noqa: B905
+            for spec, key in zip(specs, keys)  # noqa: B905
         ]
-        if len(tensors) == 1:
-            payload = AFDPayload(tensors[0])
-        else:
-            payload = AFDPayload(**{spec.name: t for spec, t in zip(specs, tensors)})  # noqa: B905
+        payload = AFDPayload(**{spec.name: t for spec, t in zip(specs, tensors)})  # noqa: B905
         return _PostedRecv(n, tensors, payload)
 
     def _start_recv(self, posted: _PostedRecv, stage: int, src: int) -> None:
@@ -955,9 +968,19 @@ class P2PConnector(AFDConnectorBase):
                 self._post_ahead(stage, counts)
 
     def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
-        self._check_ready(AFDRole.FFN, "recv_attn_output")
-        self._check_metadata(metadata, None)
-        self._expected_ffn_counts(metadata)
+        control = self._control
+        if not (  # the hot path: counts as announced by this step's control message
+            self._initialized
+            and self._is_ffn
+            and type(metadata) is AFDTransferMetadata
+            and control is not None
+            and metadata.layer_idx < self.num_layers
+            and metadata.stage_idx < len(control.stage_token_counts)
+            and metadata.num_tokens == control.stage_token_counts[metadata.stage_idx]
+        ):
+            self._check_ready(AFDRole.FFN, "recv_attn_output")
+            self._check_metadata(metadata, None)
+            self._expected_ffn_counts(metadata)
         stage = metadata.stage_idx
         posted_map = self._posted
         recvs: list[_PostedRecv] = []
@@ -973,11 +996,7 @@ class P2PConnector(AFDConnectorBase):
         # is in: the result objects, and (see _schedule_ahead) perhaps the next receive.
         payloads = [posted.payload for posted in recvs]
         self._after_reply.pop(stage, None)
-        if (
-            self.recv_ahead
-            and self._control is not None
-            and metadata.layer_idx + 1 < self.num_layers
-        ):
+        if self.recv_ahead and control is not None and metadata.layer_idx + 1 < self.num_layers:
             self._schedule_ahead(stage, metadata.num_tokens)
         self._unreplied.add(stage)
         self._wait(works, "recv_attn_output")
