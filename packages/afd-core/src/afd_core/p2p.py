@@ -64,6 +64,7 @@ import collections
 import contextlib
 import json
 import math
+import struct
 import time
 import weakref
 from collections.abc import Mapping, Sequence
@@ -115,6 +116,7 @@ CONTROL_WORDS = 64
 """Fixed length (int64 words) of a control message on the wire (room for 59 stages)."""
 
 _CONTROL_TAG = 1
+_CONTROL_STRUCT = struct.Struct(f"={CONTROL_WORDS}q")  # native int64, as torch.int64 reads it
 _SEQ_FIELD = 7  # the sequence header takes the last of the 8 per-stage field slots
 _DATA_TAG_BASE = 64
 _LONG_WAIT = timedelta(days=30)
@@ -271,6 +273,7 @@ class P2PConnector(AFDConnectorBase):
         self._reply_spec = payload_spec.fields[0]
         self._hidden_only = len(payload_spec.fields) == 1
         self._is_ffn = self.role is AFDRole.FFN
+        self._id = id(self)  # what this connector's handles carry
         self._buffers = RecvBufferPool(self.device, keep=self.reuse_buffers)
         self._stage_tags: dict[int, _StageTags] = {}
         # Attention side: stage -> its transfers awaiting a reply, in send order.
@@ -284,6 +287,11 @@ class P2PConnector(AFDConnectorBase):
         self._peer_posted: dict[int, int] = {}
         self._last_received: AFDTransferMetadata | None = None  # FFN: of the last receive
         # Attention side: the control send still in flight; FFN side: the next control receive.
+        # The wire buffers are allocated once: a control message is encoded only after the
+        # previous send completed, and a received one is decoded before the next receive is
+        # posted into the same buffer.
+        self._control_bytes = bytearray(CONTROL_WORDS * 8)
+        self._control_wire = torch.frombuffer(self._control_bytes, dtype=torch.int64)
         self._control_send: tuple[Any, torch.Tensor] | None = None
         self._control_posted: tuple[list[torch.Tensor], list[tuple[Any, int]]] | None = None
         topo = self.topology
@@ -295,6 +303,7 @@ class P2PConnector(AFDConnectorBase):
             self._served = tuple(
                 topo.world_rank(AFDRole.ATTENTION, a) for a in topo.attention_ranks_for(role_rank)
             )
+        self._control_bufs = [torch.empty(CONTROL_WORDS, dtype=torch.int64) for _ in self._served]
         self._timeout = timedelta(seconds=config.timeout_s)
         self._store: Any = None
         self._coordinator: StartupCoordinator | None = None
@@ -589,7 +598,10 @@ class P2PConnector(AFDConnectorBase):
         if announced is not None:
             self._check_peer_posted(announced)
         self._finish_control_send()
-        wire = torch.tensor(words + [0] * (CONTROL_WORDS - len(words)), dtype=torch.int64)
+        _CONTROL_STRUCT.pack_into(
+            self._control_bytes, 0, *words, *[0] * (CONTROL_WORDS - len(words))
+        )
+        wire = self._control_wire
         self._announced = announced
         dst = self._ffn_world_rank
         try:
@@ -699,7 +711,7 @@ class P2PConnector(AFDConnectorBase):
         return merged
 
     def _post_control_recv(self) -> tuple[list[torch.Tensor], list[tuple[Any, int]]]:
-        buffers = [torch.empty(CONTROL_WORDS, dtype=torch.int64) for _ in self._served]
+        buffers = self._control_bufs
         works: list[tuple[Any, int]] = []
         try:
             for buf, src in zip(buffers, self._served, strict=True):
@@ -795,7 +807,7 @@ class P2PConnector(AFDConnectorBase):
                 self._peer_posted[stage] = n
             else:
                 self._peer_posted.pop(stage, None)
-        handle = AFDTransferHandle(metadata, state, id(self))
+        handle = AFDTransferHandle(metadata, state, self._id)
         self._handles.add(handle)
         return handle
 
@@ -822,8 +834,9 @@ class P2PConnector(AFDConnectorBase):
     def recv_ffn_output(
         self, handle: AFDTransferHandle, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        self._check_ready(AFDRole.ATTENTION, "recv_ffn_output")
-        if not isinstance(handle, AFDTransferHandle) or handle.connector_id != id(self):
+        if not self._initialized or self._is_ffn:
+            self._check_ready(AFDRole.ATTENTION, "recv_ffn_output")
+        if not isinstance(handle, AFDTransferHandle) or handle.connector_id != self._id:
             raise AFDConnectorError("recv_ffn_output needs a handle from this connector")
         state = handle.state
         if not isinstance(state, _PendingRecv):
@@ -1046,29 +1059,38 @@ class P2PConnector(AFDConnectorBase):
     def send_ffn_output(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
     ) -> None:
-        self._check_ready(AFDRole.FFN, "send_ffn_output")
+        if not (self._initialized and self._is_ffn):
+            self._check_ready(AFDRole.FFN, "send_ffn_output")
         if metadata is not self._last_received:  # that one was checked by recv_attn_output
             self._check_metadata(metadata, None)
             self._expected_ffn_counts(metadata)
         spec = self._reply_spec
+        counts = metadata.num_tokens
         if isinstance(outputs, torch.Tensor):
             total = metadata.total_tokens
             if outputs.dim() != 2 or outputs.shape[0] != total:
                 raise AFDPayloadError(
                     "outputs", tuple(outputs.shape), f"shape {(total, spec.width)} (all peers)"
                 )
-            parts: Sequence[torch.Tensor] = torch.split(outputs, list(metadata.num_tokens))
+            parts: Sequence[torch.Tensor] = torch.split(outputs, list(counts))
         else:
-            parts = list(outputs)
+            parts = outputs if type(outputs) is list else list(outputs)
             if len(parts) != len(self._served):
                 raise AFDPayloadError(
                     "outputs", len(parts), f"{len(self._served)} tensors (one per served rank)"
                 )
         device_type = self._device_type
-        for part, n in zip(parts, metadata.num_tokens):  # noqa: B905 (lengths checked above)
-            if not isinstance(part, torch.Tensor):
-                raise AFDPayloadError("outputs", type(part).__name__, "torch.Tensor items")
-            AFDPayloadSpec.validate_tensor(spec, part, n, device_type, name="outputs")
+        hidden, dtype, on_cpu = self._hidden, self._out_dtype, device_type == "cpu"
+        for part, n in zip(parts, counts):  # noqa: B905 (lengths checked above)
+            if (  # the full checks only when the cheap one fails (they name what is wrong)
+                type(part) is not torch.Tensor
+                or part.dtype is not dtype
+                or part.shape != (n, hidden)
+                or not (part.is_cpu if on_cpu else part.device.type == device_type)
+            ):
+                if not isinstance(part, torch.Tensor):
+                    raise AFDPayloadError("outputs", type(part).__name__, "torch.Tensor items")
+                AFDPayloadSpec.validate_tensor(spec, part, n, device_type, name="outputs")
         stage = metadata.stage_idx
         self._unreplied.discard(stage)
         prepared = self._after_reply.pop(stage, None)
@@ -1081,7 +1103,7 @@ class P2PConnector(AFDConnectorBase):
         pg = self._data_pg
         works: list[tuple[Any, int]] = []
         try:
-            for part, n, dst in zip(parts, metadata.num_tokens, self._served):  # noqa: B905
+            for part, n, dst in zip(parts, counts, self._served):  # noqa: B905
                 if n:
                     works.append((pg.send([part.contiguous()], dst, tag), dst))
         except RuntimeError as err:
