@@ -705,9 +705,10 @@ class P2PConnector(AFDConnectorBase):
         )
         self._control = None if merged.shutdown else merged
         if self._control is not None:
-            # The next step's control receive is posted now, so its sender never waits for it.
-            self._control_posted = self._post_control_recv()
+            # The step's first data receives first (the Attention ranks' sends wait for their
+            # notices), then the next step's control receive, so its sender never waits for it.
             self._post_step_recvs(self._control)
+            self._control_posted = self._post_control_recv()
         return merged
 
     def _post_control_recv(self) -> tuple[list[torch.Tensor], list[tuple[Any, int]]]:
