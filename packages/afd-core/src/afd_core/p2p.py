@@ -35,8 +35,9 @@ arrives, and the receive of layer ``l + 1`` together with the reply of layer ``l
 posting sits between the data's arrival and the reply; a stage thus cycles through three
 buffers while the caller keeps the previous payload), or, when the caller receives several
 layers before replying, when it asks for layer ``l``, up to layer ``num_layers - 1``. The next
-step's control receive is likewise posted when a control message arrives, and ``send_control``
-does not wait for its message (except shutdown). Matching on the wire is unchanged (the first
+step's control receive is likewise posted when a control message arrives (after that step's
+first data receives), and ``send_control`` does not wait for its message (except shutdown); the
+control wire buffers are allocated once. Matching on the wire is unchanged (the first
 message on a (peer, tag) goes to the first receive); only the moment a receive is posted moves.
 A step that stops before its last layer leaves a receive posted: the next step may keep that
 stage's count (the receive is then used); another count is refused with
