@@ -310,3 +310,22 @@ def test_parity_options_serialize_batch_variant_models_only(tmp_path: Path) -> N
     assert parity_options(qw, opts) == opts
     assert parity_options(tmp_path / "missing", opts) == opts
     assert parity_options(ds, EngineOptions(max_num_seqs=4)).max_num_seqs == 4
+
+
+def test_parity_options_pick_the_reference_cpu_mla_backend_on_vllm_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AMX MLA (vLLM's choice on CPUs with AMX tiles) rejects float32 weights."""
+    from afd_models import serving
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "config.json").write_text(json.dumps({"model_type": "deepseek_v2"}))
+    opts = EngineOptions()
+    monkeypatch.setattr(serving, "_vllm_cpu_build", lambda: True)
+    args = parity_options(ds, opts).args()
+    assert args[args.index("--attention-backend") + 1] == "CPU_MLA"
+    mine = EngineOptions(extra_args=("--attention-backend", "TRITON_MLA"))
+    assert parity_options(ds, mine).extra_args == ("--attention-backend", "TRITON_MLA")
+    monkeypatch.setattr(serving, "_vllm_cpu_build", lambda: False)
+    assert "--attention-backend" not in parity_options(ds, opts).args()

