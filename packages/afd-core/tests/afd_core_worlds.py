@@ -590,3 +590,77 @@ def stream_rank(rank: int, port: int) -> dict[str, Any]:
         conn.recv_control()
     conn.close()
     return {"exact": exact}
+
+
+def recv_window_rank(rank: int, port: int) -> dict[str, Any]:
+    """1:1 world, 4 layers, hidden 8 float32 (32 bytes a token), ``recv_ahead_bytes=256``.
+
+    Per step (counts, layers sent, pattern), the FFN rank records how many receives it has
+    posted ahead for stage 0 after ``recv_control`` and after each layer's reply:
+
+    0. 4 tokens (128 B: a window of 2), request/reply over all 4 layers;
+    1. 16 tokens (512 B: no window), 1 layer only: nothing is left posted, so
+    2. the next step may announce another count (5 tokens, 160 B: a window of 1), 4 layers;
+    3. 2 tokens (64 B: a window of 4, capped by the layers left), a stream: every layer is
+       received before any reply.
+    """
+    topo = AFDTopology(1, 1)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(
+        role, port, 1, 1, timeout_s=20.0, connector_extra_config={"recv_ahead_bytes": 256}
+    )
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=4)
+    conn.init()
+    steps = [(4, 4, False), (16, 1, False), (5, 4, False), (2, 4, True)]
+    out: dict[str, Any] = {"exact": [], "posted": []}
+
+    def data(step: int, layer: int, n: int) -> torch.Tensor:
+        return torch.full((n, 8), float(step * 10 + layer))
+
+    def posted() -> int:
+        return len(conn._posted.get((0, 0), ()))
+
+    for step, (n, layers, stream) in enumerate(steps):
+        if role is AFDRole.ATTENTION:
+            conn.send_control(AFDControlMessage(((n,),)))
+            metas = [AFDTransferMetadata(layer, 0, (n,)) for layer in range(layers)]
+            if stream:
+                handles = [
+                    conn.send_attn_output(AFDPayload(data(step, m.layer_idx, n)), m) for m in metas
+                ]
+                replies = [conn.recv_ffn_output(h) for h in handles]
+            else:
+                replies = [
+                    conn.recv_ffn_output(
+                        conn.send_attn_output(AFDPayload(data(step, m.layer_idx, n)), m)
+                    )
+                    for m in metas
+                ]
+            for layer, reply in enumerate(replies):
+                out["exact"].append(torch.equal(reply, -data(step, layer, n)))
+        else:
+            ctl = conn.recv_control()
+            counts = [posted()]
+            metas = [ctl.transfer_metadata(layer, 0) for layer in range(layers)]
+            if stream:
+                got = [conn.recv_attn_output(m)[0].hidden_states for m in metas]
+                counts.append(posted())
+                for m, hidden in zip(metas, got, strict=True):
+                    conn.send_ffn_output([-hidden], m)
+            else:
+                got = []
+                for m in metas:
+                    (payload,) = conn.recv_attn_output(m)
+                    got.append(payload.hidden_states)
+                    conn.send_ffn_output([-payload.hidden_states], m)
+                    counts.append(posted())
+            for layer, hidden in enumerate(got):
+                out["exact"].append(torch.equal(hidden, data(step, layer, n)))
+            out["posted"].append(counts)
+    if role is AFDRole.ATTENTION:
+        conn.send_control(AFDControlMessage.shutdown_message())
+    else:
+        conn.recv_control()
+    conn.close()
+    return out

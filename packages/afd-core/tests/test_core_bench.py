@@ -48,7 +48,19 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
             added = statistics.median(p - r for p, r in zip(rtt, rtt_raw, strict=True))
             assert row[f"{kind}_added_us_per_call"] == pytest.approx(added / 4)
             assert row[f"{kind}_added_us_per_transfer"] == pytest.approx(added / 2)
+        # Interleaved pairs: one P2P and one raw round trip per pair, every layer of every step.
+        steps = doc["config"]["rtt_steps_per_repeat"][str(row["size_bytes"])]
+        assert row["interleaved_pairs"] == repeats * steps * 48
+        for kind in ("p2p", "raw"):
+            assert (
+                row[f"interleaved_{kind}_rtt_us_p99"]
+                >= row[f"interleaved_{kind}_rtt_us_median"]
+                > 0
+            )
     targets = doc["targets"]
+    assert targets["p2p_latency_met_interleaved"] == all(
+        r["p2p_added_us_per_call_interleaved"] <= 20.0 for r in doc["rows"]
+    )
     assert targets["p2p_throughput_met"] == all(
         r["p2p_throughput_ratio"] >= 0.9 for r in doc["rows"]
     )
@@ -56,4 +68,5 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
         r["p2p_added_us_per_call"] <= 20.0 for r in doc["rows"]
     )
     assert doc["overhead_no_io"]["attention_added_us_per_call"] > 0
+    assert "interleaved pair by pair" in proc.stdout
     assert "| size |" in proc.stdout and "4 KiB" in proc.stdout and "64 KiB" in proc.stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from afd_core.errors import (
     AFDTimeoutError,
 )
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.p2p import P2PConnector, backend_for_device
+from afd_core.p2p import RECV_AHEAD_BYTES, P2PConnector, backend_for_device
 from afd_core.testing import free_port, run_world
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -327,7 +328,7 @@ def test_ffn_rejects_a_step_that_conflicts_with_a_posted_receive() -> None:
     conn._initialized = True  # the check runs before the (absent) group is touched
     buf = torch.empty(4, 16)
     posted = _PostedRecv(4, [buf], AFDPayload(buf))
-    conn._posted[(0, 1)] = posted  # stage 0, world rank 1 (Attention rank 1)
+    conn._posted[(0, 1)] = collections.deque([posted])  # stage 0, world rank 1 (Attention rank 1)
     # Same count for that rank (the other rank's count is free): kept, nothing new posted
     # because recv_ahead posting needs a group; disable it to test the check alone.
     conn.recv_ahead = False
@@ -343,3 +344,108 @@ def test_stream_of_layers_before_replies_is_exact() -> None:
     results = ok(run_world(worlds.stream_rank, 2, free_port(), timeout_s=50))
     assert results[0]["exact"] == [True] * 12
     assert results[1]["exact"] == [True] * 10
+
+
+@pytest.mark.timeout(60)
+def test_recv_ahead_window_follows_recv_ahead_bytes() -> None:
+    results = ok(run_world(worlds.recv_window_rank, 2, free_port(), timeout_s=50))
+    assert results[0]["exact"] == [True] * 13 and results[1]["exact"] == [True] * 13
+    # Receives posted ahead for stage 0: after recv_control, then after each layer's reply
+    # (step 3: after the whole stream of receives).
+    assert results[1]["posted"] == [
+        [2, 2, 2, 1, 0],  # 128 B a transfer: a window of 2, capped by the layers left
+        [0, 0],  # 512 B > recv_ahead_bytes: nothing ahead, so step 2 may change the count
+        [1, 1, 1, 1, 0],  # 160 B: a window of 1
+        [4, 0],  # 64 B: every layer of the step, posted at recv_control
+    ]
+
+
+def test_recv_ahead_bytes_extra_config() -> None:
+    conn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=8)
+    assert conn.recv_ahead_bytes == RECV_AHEAD_BYTES == 4 << 20
+    # spec(): hidden 4 float32, 16 bytes a token.
+    assert conn._window(1024) == (4 << 20) // (1024 * 16)
+    assert conn._window(0) == 0 and conn._window(512 << 10) == 0
+    for extra, window in (
+        ({"recv_ahead_bytes": 0}, 0),
+        ({"recv_ahead_bytes": 64}, 4),
+        ({"recv_ahead_bytes": 64, "reuse_buffers": True}, 1),
+        ({"recv_ahead_bytes": 64, "recv_ahead": False}, 0),
+    ):
+        c = AFDConfig.from_mapping({"role": "ffn", "connector_extra_config": extra})
+        assert P2PConnector(c, payload_spec=spec(), num_layers=8)._window(1) == window, extra
+    for bad in (-1, True, 1.5, "4096"):
+        with pytest.raises(AFDConfigError) as info:
+            AFDConfig.from_mapping(
+                {"role": "ffn", "connector_extra_config": {"recv_ahead_bytes": bad}}
+            )
+        assert info.value.field == "connector_extra_config.recv_ahead_bytes"
+        assert info.value.value == bad
+
+
+class _RecordingGroup:
+    """A process group whose sends and receives complete at once; it records their order."""
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[str, int]] = []
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> Any:
+        self.ops.append(("send", tag))
+        return self
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        self.ops.append(("recv", tag))
+        return self
+
+    def wait(self, *args: Any) -> bool:
+        return True
+
+
+def _bypass_init(conn: P2PConnector) -> _RecordingGroup:
+    group = _RecordingGroup()
+    conn._initialized = True  # only the call order is under test, no I/O happens
+    conn._data_pg = conn._ctl_pg = group
+    return group
+
+
+def test_stream_ordered_backends_post_no_receive_ahead() -> None:
+    """nccl/hccl run a rank's sends and receives in call order on one stream: a receive posted
+    before a send its peer waits for would deadlock, so none is posted before it is asked for.
+    (An "npu" device needs torch_npu; early posting is keyed on the backend being gloo.)"""
+    cfg = AFDConfig(role=AFDRole.ATTENTION)
+    cuda = P2PConnector(cfg, payload_spec=spec(), num_layers=4, device="cuda")
+    assert cuda.backend == "nccl" and cuda._post_early is False and cuda._window(1) == 0
+    reply_tag, data_tag = 64 + 1, 64  # stage 0: the reply and the hidden_states field
+    # The same connector logic on CPU tensors, with the gloo-only early posting switched off.
+    attn = P2PConnector(cfg, payload_spec=spec(), num_layers=4)
+    attn._post_early = False
+    group = _bypass_init(attn)
+    attn.send_control(AFDControlMessage(((2,),)))
+    x = torch.ones(2, 4)
+    handles = [
+        attn.send_attn_output(AFDPayload(x), AFDTransferMetadata(i, 0, (2,))) for i in (0, 1)
+    ]
+    for handle in handles:
+        attn.recv_ffn_output(handle)
+    assert (
+        group.ops
+        == [("send", 1), ("send", data_tag), ("send", data_tag)] + [("recv", reply_tag)] * 2
+    )
+    assert attn._peer_posted == {}  # the mirror: the FFN rank posts nothing ahead either
+    ffn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=4)
+    ffn._post_early = False
+    group = _bypass_init(ffn)
+    control = AFDControlMessage(((2,),))
+    ffn._control = control
+    ffn._post_step_recvs(control)
+    for layer in range(2):
+        meta = control.transfer_metadata(layer, 0)
+        (payload,) = ffn.recv_attn_output(meta)
+        ffn.send_ffn_output([payload.hidden_states], meta)
+    assert group.ops == [("recv", data_tag), ("send", reply_tag)] * 2 and ffn._posted == {}
+    # On gloo the same calls post the receives ahead (the reply's before the data's send).
+    gloo = P2PConnector(cfg, payload_spec=spec(), num_layers=4)
+    group = _bypass_init(gloo)
+    gloo.send_control(AFDControlMessage(((2,),)))
+    gloo.recv_ffn_output(gloo.send_attn_output(AFDPayload(x), AFDTransferMetadata(0, 0, (2,))))
+    assert group.ops == [("send", 1), ("recv", reply_tag), ("send", data_tag)]

@@ -16,8 +16,8 @@ Per initialisation (generation ``g``, counted per rank on the store so re-init a
 
 Per step (see :mod:`afd_core.connector` for the call order): every Attention rank sends its
 per-stage token counts to its FFN rank (fixed-size control message, tag per direction); per layer
-and stage the Attention rank posts the receive of the reply and then a send per payload field
-(tag per stage and field), and returns (``recv_ffn_output`` only waits), so two stages can be in
+and stage the Attention rank posts the receive of the reply (gloo; see below) and then a send per
+payload field (tag per stage and field), and returns (``recv_ffn_output`` only waits), so two stages can be in
 flight (DBO). At most one reply receive per stage is posted ahead: when a caller sends several
 layers of a stage before it receives any reply (a stream), the later receives are posted in send
 order, the next one as each reply comes in (or all up to the one asked for, when replies are
@@ -25,25 +25,34 @@ received out of order), so the FFN rank is not handed a receive notice per layer
 receiving. The FFN rank receives from each served Attention rank and sends back
 ``[tokens_i, hidden]``. Zero-token peers move no bytes.
 
-Receives are posted ahead. A gloo receive notifies the sender, which writes the data at once if
-the receive was posted first and otherwise waits for that notice: posting late costs a network
-round trip per transfer. Besides the Attention side's early reply receive, the FFN side
-(``recv_ahead``, on by default) uses what the control message tells it (every stage's token
-counts for the whole step): it posts each stage's first receive as soon as the control message
-arrives, and the receive of layer ``l + 1`` together with the reply of layer ``l`` of that stage
-(its buffer and payload are taken earlier, when the caller asks for layer ``l``, so only the
-posting sits between the data's arrival and the reply; a stage thus cycles through three
-buffers while the caller keeps the previous payload), or, when the caller receives several
-layers before replying, when it asks for layer ``l``, up to layer ``num_layers - 1``. The next
-step's control receive is likewise posted when a control message arrives (after that step's
-first data receives), and ``send_control`` does not wait for its message (except shutdown); the
-control wire buffers are allocated once. Matching on the wire is unchanged (the first
-message on a (peer, tag) goes to the first receive); only the moment a receive is posted moves.
-A step that stops before its last layer leaves a receive posted: the next step may keep that
-stage's count (the receive is then used); another count is refused with
-:class:`AFDProtocolError` by ``send_control`` before anything is sent (and checked again on the
-FFN side), because a posted gloo receive cannot be withdrawn and a size mismatch aborts the
-receiving process.
+Receives are posted ahead on gloo. A gloo receive notifies the sender, which writes the data at
+once if the receive was posted first and otherwise waits for that notice: posting late costs a
+network round trip (and a wake-up of the sender's I/O thread) per transfer. Besides the Attention
+side's early reply receive, the FFN side (``recv_ahead``, on by default) uses what the control
+message tells it (every stage's token counts for the whole step) to keep a *window* of receives
+posted per stage and served Attention rank: as many transfers as fit in ``recv_ahead_bytes``
+(4 MiB by default; at most the layers left in the step, at most one with ``reuse_buffers``, none
+for a transfer larger than the budget). The window is filled when the control message arrives
+(small transfers: every layer of the step, so a stream moves with no notice round trip at all)
+and topped up as layers are received: with the reply of layer ``l`` (its buffers and payload are
+taken earlier, when the caller asks for layer ``l``, so only the posting sits between the data's
+arrival and the reply), or, when the caller receives several layers before replying, when it asks
+for layer ``l``. The next step's control receive is likewise posted when a control message
+arrives (after that step's first data receives), and ``send_control`` does not wait for its
+message (except shutdown); the control wire buffers are allocated once. Matching on the wire is
+unchanged (the first message on a (peer, tag) goes to the first receive); only the moment a
+receive is posted moves. A step that stops before its last layer leaves receives posted when its
+window was not empty: the next step may keep that stage's count (the receives are then used);
+another count is refused with :class:`AFDProtocolError` by ``send_control`` before anything is
+sent (and checked again on the FFN side), because a posted gloo receive cannot be withdrawn and a
+size mismatch aborts the receiving process. The Attention side mirrors the window rule (both
+sides compute it from the handshaked payload spec and ``connector_extra_config``).
+
+nccl and hccl post nothing ahead: they run a rank's sends and receives in call order on one device
+stream, where a receive posted before a send its peer waits for would block that send (a
+deadlock). There every receive is posted when it is asked for (the Attention side's reply receive
+in ``recv_ffn_output``, after the transfer's sends), and the call order on both roles must match
+(these backends ignore tags).
 
 Receive buffers come from :class:`afd_core.buffers.RecvBufferPool` (recycled on CPU, kept with
 ``reuse_buffers``, fresh elsewhere).
@@ -103,6 +112,7 @@ from afd_core.topology import AFDTopology
 __all__ = [
     "CONTROL_WORDS",
     "PROTOCOL_VERSION",
+    "RECV_AHEAD_BYTES",
     "P2PConnector",
     "backend_for_device",
     "make_process_group",
@@ -123,7 +133,12 @@ _DATA_TAG_BASE = 64
 _LONG_WAIT = timedelta(days=30)
 
 _BACKENDS: Mapping[str, str] = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
-_EXTRA_KEYS = frozenset({"check_sequence", "recv_ahead", "reuse_buffers"})
+_BOOL_KEYS = frozenset({"check_sequence", "recv_ahead", "reuse_buffers"})
+_INT_KEYS = frozenset({"recv_ahead_bytes"})
+_EXTRA_KEYS = _BOOL_KEYS | _INT_KEYS
+
+RECV_AHEAD_BYTES = 4 << 20
+"""Default ``recv_ahead_bytes``: what the FFN rank keeps posted ahead per stage and peer."""
 
 
 def backend_for_device(device: torch.device | str) -> str:
@@ -221,9 +236,14 @@ class P2PConnector(AFDConnectorBase):
 
         * ``check_sequence`` (default false): send a 3-word header (layer, stage, tokens) before
           every Attention payload and verify it on the FFN side (catches out-of-order calls).
-        * ``recv_ahead`` (default true): the FFN side posts each stage's next receive early (see
+        * ``recv_ahead`` (default true): the FFN side posts each stage's next receives early (see
           the module docstring). Set false for call patterns where a step ends before layer
           ``num_layers - 1`` and the next step changes that stage's token counts.
+        * ``recv_ahead_bytes`` (int >= 0, default :data:`RECV_AHEAD_BYTES`, 4 MiB): how many of
+          a stage's receives per served Attention rank the FFN side keeps posted ahead: as many
+          transfers as fit in these bytes (at most the layers left in the step), none for a
+          transfer larger than this (it is received into the buffer its caller just released,
+          which is still in cache, and the notice round trip is small beside its transfer).
         * ``reuse_buffers`` (default false): receive into buffers kept by the connector (three
           per stage, peer and field, used in turn: stable addresses) instead of recycled ones
           (see :mod:`afd_core.buffers`). A returned tensor is then only valid until the next
@@ -232,9 +252,15 @@ class P2PConnector(AFDConnectorBase):
         """
         out: dict[str, Any] = {}
         for key, value in extra.items():
-            if key in _EXTRA_KEYS:
+            if key in _BOOL_KEYS:
                 if not isinstance(value, bool):
                     raise AFDConfigError(f"connector_extra_config.{key}", value, "a bool")
+                out[key] = value
+            elif key in _INT_KEYS:
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise AFDConfigError(
+                        f"connector_extra_config.{key}", value, "an int >= 0 (bytes)"
+                    )
                 out[key] = value
             else:
                 raise AFDConfigError(
@@ -267,6 +293,17 @@ class P2PConnector(AFDConnectorBase):
         self.check_sequence = bool(config.connector_extra_config.get("check_sequence", False))
         self.reuse_buffers = bool(config.connector_extra_config.get("reuse_buffers", False))
         self.recv_ahead = bool(config.connector_extra_config.get("recv_ahead", True))
+        self.recv_ahead_bytes = int(
+            config.connector_extra_config.get("recv_ahead_bytes", RECV_AHEAD_BYTES)
+        )
+        # Receives are posted ahead of their call only on gloo, which matches a send to a
+        # receive by rendezvous. nccl and hccl run a rank's sends and receives in call order on
+        # one device stream: a receive posted there before a send that its peer waits for
+        # blocks that send (a deadlock), so they post every receive when it is asked for.
+        self._post_early = self.backend == "gloo"
+        self._token_bytes = sum(
+            math.prod(f.shape(1)) * f.dtype.itemsize for f in payload_spec.fields
+        )
         # Hot-path constants: (field name, index) in wire order, and the reply's width/dtype.
         self._wire_fields = tuple((f.name, i) for i, f in enumerate(payload_spec.fields))
         self._out_dtype = payload_spec.dtype
@@ -279,9 +316,10 @@ class P2PConnector(AFDConnectorBase):
         self._stage_tags: dict[int, _StageTags] = {}
         # Attention side: stage -> its transfers awaiting a reply, in send order.
         self._reply_queue: dict[int, collections.deque[_PendingRecv]] = {}
-        # FFN side: (stage, Attention world rank) -> receive posted ahead. Attention side: the
-        # same rule mirrored, stage -> token count the FFN rank has a receive posted for.
-        self._posted: dict[tuple[int, int], _PostedRecv] = {}
+        # FFN side: (stage, Attention world rank) -> receives posted ahead, in posting order
+        # (never empty: a drained entry is removed). Attention side: the same rule mirrored,
+        # stage -> token count the FFN rank has receives posted for.
+        self._posted: dict[tuple[int, int], collections.deque[_PostedRecv]] = {}
         # FFN: stage -> (Attention world rank, prepared receive) to post with the stage's reply.
         self._after_reply: dict[int, list[tuple[int, _PostedRecv]]] = {}
         self._unreplied: set[int] = set()  # FFN: stages received but not yet replied to
@@ -626,9 +664,10 @@ class P2PConnector(AFDConnectorBase):
     def _check_peer_posted(self, announced: tuple[int, ...]) -> None:
         """Refuse a step whose count differs from a receive the FFN rank still has posted.
 
-        Mirrors the FFN side's receive-ahead rule (see the module docstring): the FFN rank has a
-        receive posted for stage ``s`` when the previous step's last transfer of ``s`` carried
-        tokens and was not of layer ``num_layers - 1``. Sending another count there would make
+        Mirrors the FFN side's receive-ahead rule (see the module docstring and
+        :meth:`_window`): the FFN rank has receives posted for stage ``s`` when the previous
+        step's last transfer of ``s`` carried tokens, was not of layer ``num_layers - 1`` and
+        had a window of at least one receive. Sending another count there would make
         gloo abort the FFN process, so this raises (and tears down) before anything is sent.
         """
         for stage, n_posted in self._peer_posted.items():
@@ -644,10 +683,9 @@ class P2PConnector(AFDConnectorBase):
                     "send_control",
                     None,
                 )
-        if self.recv_ahead:
-            for stage, n in enumerate(announced):
-                if n:
-                    self._peer_posted.setdefault(stage, n)
+        for stage, n in enumerate(announced):
+            if n and self._window(n):
+                self._peer_posted.setdefault(stage, n)
 
     def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
         """Receive one control message from every served Attention rank and merge them.
@@ -787,7 +825,7 @@ class P2PConnector(AFDConnectorBase):
                 if queue is None:
                     queue = self._reply_queue[stage] = collections.deque()
                 queue.append(state)
-                if len(queue) == 1:
+                if len(queue) == 1 and self._post_early:
                     self._post_reply(state, tags)
             if self.check_sequence:
                 header = torch.tensor(
@@ -802,9 +840,9 @@ class P2PConnector(AFDConnectorBase):
             state.send_works.clear()
             state.recv_work = None
             self._fail(err, "send_attn_output", dst)
-        if n and self.recv_ahead and self._announced is not None:
-            # Mirror of the FFN side: this transfer used its posted receive; it posts the next
-            # one unless this was the last layer.
+        if n and self._announced is not None and self._window(n):
+            # Mirror of the FFN side: this transfer used a posted receive; the FFN rank keeps
+            # receives posted while the step has layers left.
             if metadata.layer_idx + 1 < self.num_layers:
                 self._peer_posted[stage] = n
             else:
@@ -883,7 +921,7 @@ class P2PConnector(AFDConnectorBase):
                 queue.popleft()
             else:  # received out of order
                 queue.remove(state)
-            if queue and not queue[0].posted:
+            if queue and not queue[0].posted and self._post_early:
                 # A stream of transfers (several sent before any reply): keep the next reply's
                 # receive posted ahead, one at a time.
                 try:
@@ -952,16 +990,33 @@ class P2PConnector(AFDConnectorBase):
             works.clear()
             self._fail(err, "recv_attn_output", src)
 
-    def _post_ahead(self, stage: int, counts: Sequence[int]) -> None:
+    def _window(self, n: int) -> int:
+        """Receives of one stage and served Attention rank kept posted ahead for transfers of
+        ``n`` tokens, before the cap by the layers left in the step (the Attention side computes
+        the same to mirror it): as many as fit in ``recv_ahead_bytes``, at most one with
+        ``reuse_buffers`` (three kept buffers), none with ``recv_ahead`` off or off gloo."""
+        if not (n and self.recv_ahead and self._post_early):
+            return 0
+        window = self.recv_ahead_bytes // (n * self._token_bytes)
+        return min(window, 1) if self.reuse_buffers else window
+
+    def _post_ahead(self, stage: int, counts: Sequence[int], left: int) -> None:
+        """Top ``stage``'s posted receives up to their window (at most ``left`` layers)."""
         for src, n in zip(self._served, counts, strict=True):
-            if n and (stage, src) not in self._posted:
-                self._posted[stage, src] = self._post_recv(stage, src, n)
+            want = min(self._window(n), left)
+            if want:
+                queue = self._posted.get((stage, src))
+                if queue is None:
+                    queue = self._posted[stage, src] = collections.deque()
+                while len(queue) < want:
+                    queue.append(self._post_recv(stage, src, n))
 
     def _post_step_recvs(self, control: AFDControlMessage) -> None:
         """New step: keep receives left posted when their count holds, post every first one."""
         self._after_reply.clear()  # nothing on the wire for these yet
         self._unreplied.clear()
-        for (stage, src), posted in list(self._posted.items()):
+        for (stage, src), queue in list(self._posted.items()):
+            posted = queue[0]
             col = self._served.index(src)
             n = control.stage_token_counts[stage][col] if stage < control.num_stages else None
             if n != posted.num_tokens:
@@ -978,9 +1033,9 @@ class P2PConnector(AFDConnectorBase):
                     "recv_control",
                     src,
                 )
-        if self.recv_ahead:
+        if self.recv_ahead and self._post_early:
             for stage, counts in enumerate(control.stage_token_counts):
-                self._post_ahead(stage, counts)
+                self._post_ahead(stage, counts, self.num_layers)
 
     def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
         control = self._control
@@ -1002,7 +1057,13 @@ class P2PConnector(AFDConnectorBase):
         works: list[tuple[Any, int]] = []
         # One count per served rank (checked by _check_metadata).
         for src, n in zip(self._served, metadata.num_tokens):  # noqa: B905
-            posted = posted_map.pop((stage, src), None) or self._post_recv(stage, src, n)
+            queue = posted_map.get((stage, src))
+            if queue is None:
+                posted = self._post_recv(stage, src, n)
+            else:
+                posted = queue.popleft()
+                if not queue:
+                    del posted_map[stage, src]
             recvs.append(posted)
             for work in posted.works:
                 works.append((work, src))
@@ -1011,8 +1072,9 @@ class P2PConnector(AFDConnectorBase):
         # is in: the result objects, and (see _schedule_ahead) perhaps the next receive.
         payloads = [posted.payload for posted in recvs]
         self._after_reply.pop(stage, None)
-        if self.recv_ahead and control is not None and metadata.layer_idx + 1 < self.num_layers:
-            self._schedule_ahead(stage, metadata.num_tokens)
+        left = self.num_layers - 1 - metadata.layer_idx
+        if left and self.recv_ahead and self._post_early and control is not None:
+            self._schedule_ahead(stage, metadata.num_tokens, left)
         self._unreplied.add(stage)
         self._wait(works, "recv_attn_output")
         if self.check_sequence:
@@ -1020,8 +1082,9 @@ class P2PConnector(AFDConnectorBase):
         self._last_received = metadata
         return payloads
 
-    def _schedule_ahead(self, stage: int, counts: tuple[int, ...]) -> None:
-        """Post ``stage``'s next receive now or right after this transfer's reply.
+    def _schedule_ahead(self, stage: int, counts: tuple[int, ...], left: int) -> None:
+        """Top ``stage``'s receives up to their window (``left``: layers after this one), now
+        or right with this transfer's reply.
 
         Request/reply (the service loop, where the previous transfer of the stage was replied
         to): with the reply (just before it), so the receive notice reaches the Attention rank
@@ -1031,15 +1094,19 @@ class P2PConnector(AFDConnectorBase):
         receive ahead of the sender.
         """
         if stage in self._unreplied:
-            self._post_ahead(stage, counts)
-        else:
-            # Buffers and payload now, before the wait (off the path between the data's arrival
-            # and the reply); only the posting waits for the reply.
-            self._after_reply[stage] = [
-                (src, self._prepare_recv(stage, src, n))
-                for src, n in zip(self._served, counts, strict=True)
-                if n and (stage, src) not in self._posted
-            ]
+            self._post_ahead(stage, counts, left)
+            return
+        # Buffers and payloads now, before the wait (off the path between the data's arrival
+        # and the reply); only the posting waits for the reply.
+        prepared = []
+        for src, n in zip(self._served, counts, strict=True):
+            want = min(self._window(n), left)
+            if want:
+                queue = self._posted.get((stage, src))
+                for _ in range(want - (len(queue) if queue else 0)):
+                    prepared.append((src, self._prepare_recv(stage, src, n)))
+        if prepared:
+            self._after_reply[stage] = prepared
 
     def _check_headers(self, metadata: AFDTransferMetadata, recvs: list[_PostedRecv]) -> None:
         stage = metadata.stage_idx
@@ -1096,11 +1163,13 @@ class P2PConnector(AFDConnectorBase):
         stage = metadata.stage_idx
         self._unreplied.discard(stage)
         prepared = self._after_reply.pop(stage, None)
-        if prepared:  # the next layer's receive goes just before this reply
+        if prepared:  # the receives prepared by recv_attn_output go just before this reply
             for src, posted in prepared:
-                if (stage, src) not in self._posted:
-                    self._start_recv(posted, stage, src)
-                    self._posted[stage, src] = posted
+                self._start_recv(posted, stage, src)
+                queue = self._posted.get((stage, src))
+                if queue is None:
+                    queue = self._posted[stage, src] = collections.deque()
+                queue.append(posted)
         tag = (self._stage_tags.get(stage) or self._make_stage_tags(stage)).reply
         pg = self._data_pg
         works: list[tuple[Any, int]] = []
