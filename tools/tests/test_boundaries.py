@@ -100,8 +100,8 @@ def test_declared_edge_not_in_map(scratch: Path) -> None:
     path = edit_pyproject(
         scratch,
         "afd-weights",
-        '"afd-core>=0.2,<0.3",',
-        '"afd-core>=0.2,<0.3",\n    "afd-remote>=0.1,<0.2",',
+        '"afd-core>=0.3,<0.4",',
+        '"afd-core>=0.3,<0.4",\n    "afd-remote>=0.1,<0.2",',
     )
     line = path.read_text().splitlines().index('    "afd-remote>=0.1,<0.2",') + 1
     assert report(scratch) == [
@@ -126,8 +126,8 @@ def test_ffn_siblings_declare_one_another(scratch: Path) -> None:
     path = edit_pyproject(
         scratch,
         "afd-cam",
-        '"afd-core>=0.2,<0.3",',
-        '"afd-core>=0.2,<0.3",\n    "afd-remote>=0.1,<0.2",',
+        '"afd-core>=0.3,<0.4",',
+        '"afd-core>=0.3,<0.4",\n    "afd-remote>=0.1,<0.2",',
     )
     line = path.read_text().splitlines().index('    "afd-remote>=0.1,<0.2",') + 1
     assert report(scratch) == [
@@ -190,7 +190,7 @@ def test_ffn_package_imports_concrete_classes(scratch: Path) -> None:
 def test_sibling_without_range_or_excluding_version(scratch: Path) -> None:
     core = tomllib.loads((scratch / "packages/afd-core/pyproject.toml").read_text())
     version = core["project"]["version"]
-    declared = '"afd-core>=0.2,<0.3"'  # what afd-cam and afd-remote declare today
+    declared = '"afd-core>=0.3,<0.4"'  # what afd-cam and afd-remote declare today
     path = edit_pyproject(scratch, "afd-cam", declared, '"afd-core"')
     line = path.read_text().splitlines().index('    "afd-core",') + 1
     path2 = edit_pyproject(scratch, "afd-remote", declared, '"afd-core>=9.5,<9.6"')

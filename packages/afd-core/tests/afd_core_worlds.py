@@ -598,11 +598,12 @@ def recv_window_rank(rank: int, port: int) -> dict[str, Any]:
     Per step (counts, layers sent, pattern), the FFN rank records how many receives it has
     posted ahead for stage 0 after ``recv_control`` and after each layer's reply:
 
-    0. 4 tokens (128 B: a window of 2), request/reply over all 4 layers;
+    0. 4 tokens (128 B: a window of 2), request/reply over all 4 layers: one receive ahead;
     1. 16 tokens (512 B: no window), 1 layer only: nothing is left posted, so
     2. the next step may announce another count (5 tokens, 160 B: a window of 1), 4 layers;
-    3. 2 tokens (64 B: a window of 4, capped by the layers left), a stream: every layer is
-       received before any reply.
+    3. 2 tokens (64 B: a window of 4, capped by the layers left), a stream (every layer is
+       received before any reply): the window opens once the stream shows (second receive);
+    4. the same stream again: the whole window is posted at ``recv_control``.
     """
     topo = AFDTopology(1, 1)
     role, role_rank = topo.role_of(rank)
@@ -612,7 +613,7 @@ def recv_window_rank(rank: int, port: int) -> dict[str, Any]:
     spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
     conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=4)
     conn.init()
-    steps = [(4, 4, False), (16, 1, False), (5, 4, False), (2, 4, True)]
+    steps = [(4, 4, False), (16, 1, False), (5, 4, False), (2, 4, True), (2, 4, True)]
     out: dict[str, Any] = {"exact": [], "posted": []}
 
     def data(step: int, layer: int, n: int) -> torch.Tensor:

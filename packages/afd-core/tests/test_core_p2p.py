@@ -242,7 +242,7 @@ def test_handshake_fields_cover_contract() -> None:
     fields = conn.handshake_fields()
     assert fields["hidden_size"] == 8 and fields["dtype"] == "bfloat16"
     assert fields["num_layers"] == 5 and fields["topology"] == [3, 2]
-    assert fields["protocol_version"] == 2
+    assert fields["protocol_version"] == 3
     assert fields["config_hash"] == conn.config.agreement_hash()
     assert set(fields["payload_spec"]) == {"hidden_states", "topk_ids", "topk_weights"}
     assert conn.served_world_ranks == (1, 2)
@@ -349,14 +349,15 @@ def test_stream_of_layers_before_replies_is_exact() -> None:
 @pytest.mark.timeout(60)
 def test_recv_ahead_window_follows_recv_ahead_bytes() -> None:
     results = ok(run_world(worlds.recv_window_rank, 2, free_port(), timeout_s=50))
-    assert results[0]["exact"] == [True] * 13 and results[1]["exact"] == [True] * 13
+    assert results[0]["exact"] == [True] * 17 and results[1]["exact"] == [True] * 17
     # Receives posted ahead for stage 0: after recv_control, then after each layer's reply
-    # (step 3: after the whole stream of receives).
+    # (steps 3 and 4: after the whole stream of receives).
     assert results[1]["posted"] == [
-        [2, 2, 2, 1, 0],  # 128 B a transfer: a window of 2, capped by the layers left
+        [1, 1, 1, 1, 0],  # request/reply: one ahead (the window, 2, is for streams)
         [0, 0],  # 512 B > recv_ahead_bytes: nothing ahead, so step 2 may change the count
         [1, 1, 1, 1, 0],  # 160 B: a window of 1
-        [4, 0],  # 64 B: every layer of the step, posted at recv_control
+        [1, 0],  # a stream: one at recv_control, the window (4) once the stream shows
+        [4, 0],  # the stage streamed last step: every layer posted at recv_control
     ]
 
 

@@ -118,10 +118,12 @@ __all__ = [
     "make_process_group",
 ]
 
-PROTOCOL_VERSION = 2
-"""Version of the P2P wire protocol (handshake, tags, message layout).
+PROTOCOL_VERSION = 3
+"""Version of the P2P wire protocol (handshake, tags, message layout, which receives are posted
+ahead: the Attention side mirrors the FFN side's rule).
 
-2: the ``check_sequence`` header has a tag per stage (receives may be posted ahead)."""
+2: the ``check_sequence`` header has a tag per stage (receives may be posted ahead).
+3: the FFN side's receive-ahead window (``recv_ahead_bytes``); nothing ahead off gloo."""
 
 CONTROL_WORDS = 64
 """Fixed length (int64 words) of a control message on the wire (room for 59 stages)."""
@@ -323,6 +325,8 @@ class P2PConnector(AFDConnectorBase):
         # FFN: stage -> (Attention world rank, prepared receive) to post with the stage's reply.
         self._after_reply: dict[int, list[tuple[int, _PostedRecv]]] = {}
         self._unreplied: set[int] = set()  # FFN: stages received but not yet replied to
+        self._seen: set[int] = set()  # FFN: stages received in this step
+        self._streaming: set[int] = set()  # FFN: stages whose last step was a stream
         self._peer_posted: dict[int, int] = {}
         self._last_received: AFDTransferMetadata | None = None  # FFN: of the last receive
         # Attention side: the control send still in flight; FFN side: the next control receive.
@@ -517,6 +521,8 @@ class P2PConnector(AFDConnectorBase):
         self._reply_queue = {}
         self._after_reply = {}
         self._unreplied = set()
+        self._seen = set()
+        self._streaming = set()
         self._peer_posted = {}
         self._last_received = None
         self._control_send = None
@@ -1000,10 +1006,11 @@ class P2PConnector(AFDConnectorBase):
         window = self.recv_ahead_bytes // (n * self._token_bytes)
         return min(window, 1) if self.reuse_buffers else window
 
-    def _post_ahead(self, stage: int, counts: Sequence[int], left: int) -> None:
-        """Top ``stage``'s posted receives up to their window (at most ``left`` layers)."""
+    def _post_ahead(self, stage: int, counts: Sequence[int], left: int, full: bool) -> None:
+        """Top ``stage``'s posted receives up to their window (``full``: a stream) or one
+        (request/reply), at most ``left`` (the layers left in the step)."""
         for src, n in zip(self._served, counts, strict=True):
-            want = min(self._window(n), left)
+            want = min(self._window(n), left if full else min(left, 1))
             if want:
                 queue = self._posted.get((stage, src))
                 if queue is None:
@@ -1015,6 +1022,7 @@ class P2PConnector(AFDConnectorBase):
         """New step: keep receives left posted when their count holds, post every first one."""
         self._after_reply.clear()  # nothing on the wire for these yet
         self._unreplied.clear()
+        self._seen.clear()
         for (stage, src), queue in list(self._posted.items()):
             posted = queue[0]
             col = self._served.index(src)
@@ -1035,7 +1043,7 @@ class P2PConnector(AFDConnectorBase):
                 )
         if self.recv_ahead and self._post_early:
             for stage, counts in enumerate(control.stage_token_counts):
-                self._post_ahead(stage, counts, self.num_layers)
+                self._post_ahead(stage, counts, self.num_layers, stage in self._streaming)
 
     def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
         control = self._control
@@ -1072,6 +1080,13 @@ class P2PConnector(AFDConnectorBase):
         # is in: the result objects, and (see _schedule_ahead) perhaps the next receive.
         payloads = [posted.payload for posted in recvs]
         self._after_reply.pop(stage, None)
+        # The call pattern decides the window (see _schedule_ahead); the last one seen is
+        # kept for the next step's first receives.
+        if stage in self._unreplied:
+            self._streaming.add(stage)
+        elif stage in self._seen:
+            self._streaming.discard(stage)
+        self._seen.add(stage)
         left = self.num_layers - 1 - metadata.layer_idx
         if left and self.recv_ahead and self._post_early and control is not None:
             self._schedule_ahead(stage, metadata.num_tokens, left)
@@ -1083,24 +1098,26 @@ class P2PConnector(AFDConnectorBase):
         return payloads
 
     def _schedule_ahead(self, stage: int, counts: tuple[int, ...], left: int) -> None:
-        """Top ``stage``'s receives up to their window (``left``: layers after this one), now
-        or right with this transfer's reply.
+        """Top ``stage``'s receives up, now or right with this transfer's reply (``left``:
+        layers after this one).
 
         Request/reply (the service loop, where the previous transfer of the stage was replied
-        to): with the reply (just before it), so the receive notice reaches the Attention rank
-        while it waits for that reply; posted earlier, it meets the Attention rank in the middle
-        of its next send, which on a busy host stalls that send for milliseconds now and then. A
-        stream (the previous transfer not replied yet): now, before waiting, which keeps one
-        receive ahead of the sender.
+        to): one receive ahead, posted with the reply (just before it), so the receive notice
+        reaches the Attention rank while it waits for that reply; posted earlier, it meets the
+        Attention rank in the middle of its next send, which on a busy host stalls that send for
+        milliseconds now and then. The Attention rank cannot send the next layer before it has
+        the reply, so a deeper window would only cycle more buffers through the cache. A stream
+        (the previous transfer not replied yet): the whole window, now, before waiting; a stage
+        that streamed has its whole window posted at the next step's control message too.
         """
         if stage in self._unreplied:
-            self._post_ahead(stage, counts, left)
+            self._post_ahead(stage, counts, left, True)
             return
         # Buffers and payloads now, before the wait (off the path between the data's arrival
         # and the reply); only the posting waits for the reply.
         prepared = []
         for src, n in zip(self._served, counts, strict=True):
-            want = min(self._window(n), left)
+            want = min(self._window(n), 1)
             if want:
                 queue = self._posted.get((stage, src))
                 for _ in range(want - (len(queue) if queue else 0)):
