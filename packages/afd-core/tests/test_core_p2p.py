@@ -363,9 +363,9 @@ def test_recv_ahead_window_follows_recv_ahead_bytes() -> None:
 
 def test_recv_ahead_bytes_extra_config() -> None:
     conn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=8)
-    assert conn.recv_ahead_bytes == RECV_AHEAD_BYTES == 4 << 20
+    assert conn.recv_ahead_bytes == RECV_AHEAD_BYTES == 2 << 20
     # spec(): hidden 4 float32, 16 bytes a token.
-    assert conn._window(1024) == (4 << 20) // (1024 * 16)
+    assert conn._window(1024) == (2 << 20) // (1024 * 16)
     assert conn._window(0) == 0 and conn._window(512 << 10) == 0
     for extra, window in (
         ({"recv_ahead_bytes": 0}, 0),
