@@ -17,38 +17,38 @@ Per initialisation (generation ``g``, counted per rank on the store so re-init a
 Per step (see :mod:`afd_core.connector` for the call order): every Attention rank sends its
 per-stage token counts to its FFN rank (fixed-size control message, tag per direction); per layer
 and stage the Attention rank posts the receive of the reply (gloo; see below) and then a send per
-payload field (tag per stage and field), and returns (``recv_ffn_output`` only waits), so two stages can be in
-flight (DBO). At most one reply receive per stage is posted ahead: when a caller sends several
-layers of a stage before it receives any reply (a stream), the later receives are posted in send
-order, the next one as each reply comes in (or all up to the one asked for, when replies are
+payload field (tag per stage and field), and returns (``recv_ffn_output`` only waits), so two stages
+can be in flight (DBO). At most one reply receive per stage is posted ahead: when a caller sends
+several layers of a stage before it receives any reply (a stream), the later receives are posted in
+send order, the next one as each reply comes in (or all up to the one asked for, when replies are
 received out of order), so the FFN rank is not handed a receive notice per layer while it is busy
 receiving. The FFN rank receives from each served Attention rank and sends back
 ``[tokens_i, hidden]``. Zero-token peers move no bytes.
 
-Receives are posted ahead on gloo. A gloo receive notifies the sender, which writes the data at
-once if the receive was posted first and otherwise waits for that notice: posting late costs a
-network round trip (and a wake-up of the sender's I/O thread) per transfer. Besides the Attention
-side's early reply receive, the FFN side (``recv_ahead``, on by default) uses what the control
-message tells it (every stage's token counts for the whole step) to keep a *window* of receives
-posted per stage and served Attention rank: as many transfers as fit in ``recv_ahead_bytes``
-(2 MiB by default; at most the layers left in the step, at most one with ``reuse_buffers``, none
-for a transfer larger than the budget). The whole window serves streams (the caller receives
-several layers of a stage before replying): it opens once a stream shows, and a stage that
-streamed has it posted when the next control message arrives (small transfers: every layer of
-the step, so a stream moves with no notice round trip at all). Request/reply keeps one receive
-ahead (the Attention rank cannot send the next layer before it has the reply, so more would only
-cycle more buffers through the cache): posted with the reply of layer ``l`` (its buffers and
-payload are taken earlier, when the caller asks for layer ``l``, so only the posting sits
-between the data's arrival and the reply). The next step's control receive is likewise posted when a control message
-arrives (after that step's first data receives), and ``send_control`` does not wait for its
-message (except shutdown); the control wire buffers are allocated once. Matching on the wire is
-unchanged (the first message on a (peer, tag) goes to the first receive); only the moment a
-receive is posted moves. A step that stops before its last layer leaves receives posted when its
-window was not empty: the next step may keep that stage's count (the receives are then used);
-another count is refused with :class:`AFDProtocolError` by ``send_control`` before anything is
-sent (and checked again on the FFN side), because a posted gloo receive cannot be withdrawn and a
-size mismatch aborts the receiving process. The Attention side mirrors the window rule (both
-sides compute it from the handshaked payload spec and ``connector_extra_config``).
+Receives are posted ahead on gloo. A gloo receive notifies the sender, which writes the data at once
+if the receive was posted first and otherwise waits for that notice: posting late costs a network
+round trip (and a wake-up of the sender's I/O thread) per transfer. Besides the Attention side's
+early reply receive, the FFN side (``recv_ahead``, on by default) uses what the control message
+tells it (every stage's token counts for the whole step) to keep a *window* of receives posted per
+stage and served Attention rank: as many transfers as fit in ``recv_ahead_bytes`` (2 MiB by default;
+at most the layers left in the step, at most one with ``reuse_buffers``, none for a transfer larger
+than the budget). The whole window serves streams (the caller receives several layers of a stage
+before replying): it opens once a stream shows, and a stage that streamed has it posted when the
+next control message arrives (small transfers: every layer of the step, so a stream moves with no
+notice round trip at all). Request/reply keeps one receive ahead (the Attention rank cannot send the
+next layer before it has the reply, so more would only cycle more buffers through the cache): posted
+with the reply of layer ``l`` (its buffers and payload are taken earlier, when the caller asks for
+layer ``l``, so only the posting sits between the data's arrival and the reply). The next step's
+control receive is likewise posted when a control message arrives (after that step's first data
+receives), and ``send_control`` does not wait for its message (except shutdown); the control wire
+buffers are allocated once. Matching on the wire is unchanged (the first message on a (peer, tag)
+goes to the first receive); only the moment a receive is posted moves. A step that stops before its
+last layer leaves receives posted when its window was not empty: the next step may keep that stage's
+count (the receives are then used); another count is refused with :class:`AFDProtocolError` by
+``send_control`` before anything is sent (and checked again on the FFN side), because a posted gloo
+receive cannot be withdrawn and a size mismatch aborts the receiving process. The Attention side
+mirrors the window rule (both sides compute it from the handshaked payload spec and
+``connector_extra_config``).
 
 nccl and hccl post nothing ahead: they run a rank's sends and receives in call order on one device
 stream, where a receive posted before a send its peer waits for would block that send (a
@@ -326,7 +326,9 @@ class P2PConnector(AFDConnectorBase):
         # FFN side: (stage, Attention world rank) -> receives posted ahead, in posting order
         # (never empty: a drained entry is removed). Attention side: the same rule mirrored,
         # stage -> token count the FFN rank has receives posted for.
-        self._posted: dict[tuple[int, int], collections.deque[_PostedRecv]] = {}
+        self._posted: collections.defaultdict[tuple[int, int], collections.deque[_PostedRecv]] = (
+            collections.defaultdict(collections.deque)
+        )
         # FFN: stage -> (Attention world rank, prepared receive) to post with the stage's reply.
         self._after_reply: dict[int, list[tuple[int, _PostedRecv]]] = {}
         self._unreplied: set[int] = set()  # FFN: stages received but not yet replied to
@@ -522,7 +524,7 @@ class P2PConnector(AFDConnectorBase):
 
     def _teardown(self) -> None:
         # Pending works hold the gloo context (and its sockets) alive: drop them first.
-        self._posted = {}
+        self._posted = collections.defaultdict(collections.deque)
         self._reply_queue = {}
         self._after_reply = {}
         self._unreplied = set()
@@ -1017,9 +1019,7 @@ class P2PConnector(AFDConnectorBase):
         for src, n in zip(self._served, counts, strict=True):
             want = min(self._window(n), left if full else min(left, 1))
             if want:
-                queue = self._posted.get((stage, src))
-                if queue is None:
-                    queue = self._posted[stage, src] = collections.deque()
+                queue = self._posted[stage, src]
                 while len(queue) < want:
                     queue.append(self._post_recv(stage, src, n))
 
@@ -1188,10 +1188,7 @@ class P2PConnector(AFDConnectorBase):
         if prepared:  # the receives prepared by recv_attn_output go just before this reply
             for src, posted in prepared:
                 self._start_recv(posted, stage, src)
-                queue = self._posted.get((stage, src))
-                if queue is None:
-                    queue = self._posted[stage, src] = collections.deque()
-                queue.append(posted)
+                self._posted[stage, src].append(posted)
         tag = (self._stage_tags.get(stage) or self._make_stage_tags(stage)).reply
         pg = self._data_pg
         works: list[tuple[Any, int]] = []
