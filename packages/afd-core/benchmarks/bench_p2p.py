@@ -530,63 +530,74 @@ def _fmt_size(size: int) -> str:
     return f"{size >> 20} MiB" if size >= 1 << 20 else f"{size >> 10} KiB"
 
 
+def _markdown(title: str, header: list[str], body: list[list[str]]) -> list[str]:
+    """A titled markdown table (the lines, then a blank one between tables)."""
+    lines = [title, "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+
+
+def _median_p99(r: dict[str, Any], kind: str) -> str:
+    return f"{r[f'{kind}_rtt_us_median']:.0f} / {r[f'{kind}_rtt_us_p99']:.0f}"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = [
+    rtt = _markdown(
         "Round-trip latency per layer, µs (median / P99); added per call = (P2P − raw) / 4, each"
         " connector kind against raw on its own process groups (the raw column: the default"
         " connector's):",
-        "",
-        "| size | raw | raw, connector pattern (ref.) | P2P | added | P2P reuse_buffers | added |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        cells = [
-            _fmt_size(r["size_bytes"]),
-            f"{r['raw_rtt_us_median']:.0f} / {r['raw_rtt_us_p99']:.0f}",
-            f"{r['raw_ahead_rtt_us_median']:.0f} / {r['raw_ahead_rtt_us_p99']:.0f}",
-        ]
-        for kind in TABLE_KINDS:
-            cells.append(f"{r[f'{kind}_rtt_us_median']:.0f} / {r[f'{kind}_rtt_us_p99']:.0f}")
-            cells.append(f"{r[f'{kind}_added_us_per_call']:+.1f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
+        [
+            "size",
+            "raw",
+            "raw, connector pattern (ref.)",
+            "P2P",
+            "added",
+            "P2P reuse_buffers",
+            "added",
+        ],
+        [
+            [_fmt_size(r["size_bytes"]), _median_p99(r, "raw"), _median_p99(r, "raw_ahead")]
+            + [
+                cell
+                for kind in TABLE_KINDS
+                for cell in (_median_p99(r, kind), f"{r[f'{kind}_added_us_per_call']:+.1f}")
+            ]
+            for r in rows
+        ],
+    )
+    pairs = _markdown(
         "Round trips interleaved pair by pair (P2P, then raw on the same groups, or the other"
         " way round): µs (median / P99); added per call = median over pairs of (P2P − raw) / 4:",
-        "",
-        "| size | raw | P2P | added | pairs |",
-        "|---|---|---|---|---|",
-    ]
-    for r in rows:
-        cells = [
-            _fmt_size(r["size_bytes"]),
-            f"{r['interleaved_raw_rtt_us_median']:.0f} / {r['interleaved_raw_rtt_us_p99']:.0f}",
-            f"{r['interleaved_p2p_rtt_us_median']:.0f} / {r['interleaved_p2p_rtt_us_p99']:.0f}",
-            f"{r['p2p_added_us_per_call_interleaved']:+.1f}",
-            str(r["interleaved_pairs"]),
-        ]
-        lines.append("| " + " | ".join(cells) + " |")
-    lines += [
-        "",
+        ["size", "raw", "P2P", "added", "pairs"],
+        [
+            [
+                _fmt_size(r["size_bytes"]),
+                _median_p99(r, "interleaved_raw"),
+                _median_p99(r, "interleaved_p2p"),
+                f"{r['p2p_added_us_per_call_interleaved']:+.1f}",
+                str(r["interleaved_pairs"]),
+            ]
+            for r in rows
+        ],
+    )
+
+    def mbps(r: dict[str, Any], kind: str) -> str:
+        return f"{r[f'{kind}_oneway_MBps_median']:.0f} / {r[f'{kind}_oneway_MBps_min']:.0f}"
+
+    oneway = _markdown(
         "One-way throughput, MB/s (median / min over repeats); ratio = P2P / raw (each kind"
         " against raw on its own process groups):",
-        "",
-        "| size | raw | raw pipelined (ref.) | P2P | ratio | P2P reuse_buffers | ratio |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        cells = [
-            _fmt_size(r["size_bytes"]),
-            f"{r['raw_oneway_MBps_median']:.0f} / {r['raw_oneway_MBps_min']:.0f}",
-            f"{r['rawpipe_oneway_MBps_median']:.0f} / {r['rawpipe_oneway_MBps_min']:.0f}",
-        ]
-        for kind in TABLE_KINDS:
-            cells.append(
-                f"{r[f'{kind}_oneway_MBps_median']:.0f} / {r[f'{kind}_oneway_MBps_min']:.0f}"
-            )
-            cells.append(f"{r[f'{kind}_throughput_ratio']:.2f}")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+        ["size", "raw", "raw pipelined (ref.)", "P2P", "ratio", "P2P reuse_buffers", "ratio"],
+        [
+            [_fmt_size(r["size_bytes"]), mbps(r, "raw"), mbps(r, "rawpipe")]
+            + [
+                cell
+                for kind in TABLE_KINDS
+                for cell in (mbps(r, kind), f"{r[f'{kind}_throughput_ratio']:.2f}")
+            ]
+            for r in rows
+        ],
+    )
+    return "\n".join([*rtt, "", *pairs, "", *oneway])
 
 
 def main(argv: list[str] | None = None) -> int:
