@@ -213,6 +213,35 @@ def test_control_helpers() -> None:
 
 
 @pytest.mark.parametrize(
+    ("layer", "stage", "field"),
+    [
+        (-1, 0, "layer_idx"),
+        (True, 0, "layer_idx"),
+        (1.0, 0, "layer_idx"),
+        ("1", 0, "layer_idx"),
+        (0, True, "stage_idx"),
+        (0, -1, "stage_idx"),
+        (0, 1.0, "stage_idx"),
+    ],
+)
+def test_control_transfer_metadata_checks_what_it_does_not_take_from_the_message(
+    layer: Any, stage: Any, field: str
+) -> None:
+    # The counts come from the (validated) message; the indices are the caller's.
+    msg = AFDControlMessage(((3,), (5,)))
+    with pytest.raises(AFDPayloadError) as info:
+        msg.transfer_metadata(layer, stage)
+    assert info.value.field == field
+    assert info.value.value == (layer if field == "layer_idx" else stage)
+    meta = msg.transfer_metadata(7, 1)  # the same object the checked constructor builds
+    assert type(meta) is AFDTransferMetadata
+    assert (meta.layer_idx, meta.stage_idx, meta.num_tokens) == (7, 1, (5,))
+    assert meta == AFDTransferMetadata(7, 1, (5,)) and hash(meta) == hash(
+        AFDTransferMetadata(7, 1, (5,))
+    )
+
+
+@pytest.mark.parametrize(
     ("kwargs", "field"),
     [
         ({"stage_token_counts": ()}, "stage_token_counts"),

@@ -117,6 +117,21 @@ class AFDTransferMetadata:
                 "num_tokens", self.num_tokens, "a non-empty tuple of non-negative ints"
             )
 
+    @classmethod
+    def _of_counts(
+        cls, layer_idx: int, stage_idx: int, num_tokens: tuple[int, ...]
+    ) -> AFDTransferMetadata:
+        """``cls(layer_idx, stage_idx, num_tokens)`` for counts and a stage index already
+        validated (a control message's): only ``layer_idx`` is checked (hot path: once per
+        transfer, on the FFN side's path from a receive's completion to the next posting)."""
+        if not _is_count(layer_idx):
+            raise AFDPayloadError("layer_idx", layer_idx, "a non-negative int")
+        meta = object.__new__(cls)
+        object.__setattr__(meta, "layer_idx", layer_idx)
+        object.__setattr__(meta, "stage_idx", stage_idx)
+        object.__setattr__(meta, "num_tokens", num_tokens)
+        return meta
+
     @property
     def total_tokens(self) -> int:
         """Sum of :attr:`num_tokens`."""
@@ -382,9 +397,11 @@ class AFDControlMessage:
 
     def transfer_metadata(self, layer_idx: int, stage_idx: int) -> AFDTransferMetadata:
         """Transfer metadata for ``layer_idx`` and ``stage_idx`` with this step's counts."""
-        if not 0 <= stage_idx < self.num_stages:
+        counts = self.stage_token_counts
+        if type(stage_idx) is not int or not 0 <= stage_idx < len(counts):
             raise AFDPayloadError("stage_idx", stage_idx, f"0..{self.num_stages - 1}")
-        return AFDTransferMetadata(layer_idx, stage_idx, self.stage_token_counts[stage_idx])
+        # The counts were validated when this message was built.
+        return AFDTransferMetadata._of_counts(layer_idx, stage_idx, counts[stage_idx])
 
     def select(self, indices: Iterable[int]) -> AFDControlMessage:
         """The same message restricted to the Attention ranks at ``indices``."""

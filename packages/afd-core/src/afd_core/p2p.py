@@ -335,6 +335,7 @@ class P2PConnector(AFDConnectorBase):
         self._seen: set[int] = set()  # FFN: stages received in this step
         self._streaming: set[int] = set()  # FFN: stages whose last step was a stream
         self._peer_posted: dict[int, int] = {}
+        self._ahead_stages: frozenset[int] = frozenset()  # FFN: stages with a window this step
         self._last_received: AFDTransferMetadata | None = None  # FFN: of the last receive
         # Attention side: the control send still in flight; FFN side: the next control receive.
         # The wire buffers are allocated once: a control message is encoded only after the
@@ -531,6 +532,7 @@ class P2PConnector(AFDConnectorBase):
         self._seen = set()
         self._streaming = set()
         self._peer_posted = {}
+        self._ahead_stages = frozenset()
         self._last_received = None
         self._control_send = None
         self._control_posted = None
@@ -967,7 +969,22 @@ class P2PConnector(AFDConnectorBase):
             raise AFDPayloadError("num_tokens", metadata.num_tokens, f"{announced} as announced")
 
     def _post_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
-        """Post the receives of ``stage``'s next transfer (``n`` tokens) from world rank ``src``."""
+        """Post the receives of ``stage``'s next transfer (``n`` tokens) from world rank ``src``.
+
+        The common case (hidden states only, no sequence header) posts before it builds the
+        payload objects: on a receive posted when asked for, everything before the posting
+        delays the sender (it waits for the receive's notice), and on a busy host that code
+        runs with cold caches right after this thread woke up."""
+        if n and self._hidden_only and not self.check_sequence:
+            tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
+            buf = self._buffers.get(tags.recv_keys[src][0], (n, self._hidden), self._out_dtype)
+            try:
+                work = self._data_pg.recv([buf], src, tags.fields[0][1])
+            except RuntimeError as err:
+                self._fail(err, "recv_attn_output", src)
+            posted = _PostedRecv(n, [buf], AFDPayload._of_hidden_states(buf))
+            posted.works.append(work)
+            return posted
         posted = self._prepare_recv(stage, src, n)
         self._start_recv(posted, stage, src)
         return posted
@@ -1046,9 +1063,15 @@ class P2PConnector(AFDConnectorBase):
                     "recv_control",
                     src,
                 )
-        if self.recv_ahead and self._post_early:
-            for stage, counts in enumerate(control.stage_token_counts):
-                self._post_ahead(stage, counts, self.num_layers, stage in self._streaming)
+        # Stages with a window for some served rank (the others never post ahead this step).
+        self._ahead_stages = frozenset(
+            stage
+            for stage, counts in enumerate(control.stage_token_counts)
+            if any(self._window(n) for n in counts)
+        )
+        for stage in self._ahead_stages:
+            counts = control.stage_token_counts[stage]
+            self._post_ahead(stage, counts, self.num_layers, stage in self._streaming)
 
     def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
         control = self._control
@@ -1093,7 +1116,7 @@ class P2PConnector(AFDConnectorBase):
             self._streaming.discard(stage)
         self._seen.add(stage)
         left = self.num_layers - 1 - metadata.layer_idx
-        if left and self.recv_ahead and self._post_early and control is not None:
+        if left and stage in self._ahead_stages:
             self._schedule_ahead(stage, metadata.num_tokens, left)
         self._unreplied.add(stage)
         self._wait(works, "recv_attn_output")
