@@ -55,6 +55,7 @@ import gc
 import json
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -88,8 +89,9 @@ GROUP_OF = {
     **{raw: kind for kind, raw in RAW_BASE.items() if raw != "raw"},
 }
 KINDS = ("raw", "raw_ahead", "p2p", "raw_reuse", "p2p_reuse", "raw_late", "p2p_late")
-#: Also in the rotation: ``p2p`` and ``raw`` round trips interleaved pair by pair.
-ROTATION = (*KINDS, "interleaved")
+#: Also in the rotation: ``p2p`` and ``raw`` round trips interleaved pair by pair (same memory),
+#: and the control: two raw round trips on different buffers interleaved pair by pair.
+ROTATION = (*KINDS, "interleaved", "placement")
 
 
 def _percentile(values: list[float], q: float) -> float:
@@ -180,13 +182,20 @@ def _interleaved_rtt(
     """``steps`` x ``LAYERS`` pairs of round trips, one through ``conn`` and one raw on its
     groups right after or before it (alternating per layer): the two of a pair run within a few
     ms of each other, so the machine's drift, which moves whole repeats by 10-30 %, cancels in
-    their difference. Returns (P2P samples, raw samples), pair ``i`` at index ``i``."""
+    their difference. Returns (P2P samples, raw samples), pair ``i`` at index ``i``.
+
+    Same memory: each side's raw round trip receives into the buffer the connector handed out
+    last on that side (before the first, ``bufs[0]``), so the two of a pair differ only in the
+    connector's code and posting order, not in which pages back the receive buffer (two raw
+    loops that differ only in that buffer differ by tens of µs per call at 16 MiB on this VM;
+    :func:`_placement_rtt` measures it in the same run). The raw side drops its reference
+    before the connector's next call, so the connector's pool can hand that buffer out again."""
     pg, sync_pg = _groups(conn)
     n = x.shape[0]
     payload = AFDPayload(x)
     p2p_samples: list[float] = []
     raw_samples: list[float] = []
-    y = bufs[0]
+    last: torch.Tensor | None = None  # what the connector handed out last on this side
     for _ in range(steps):
         _sync(sync_pg, rank)
         if rank == 0:
@@ -195,9 +204,10 @@ def _interleaved_rtt(
         for layer in range(LAYERS):
             for first in (layer % 2 == 0, layer % 2 == 1):
                 if first:  # the connector's round trip
+                    last = None
                     if rank == 0:
                         t0 = time.perf_counter()
-                        conn.recv_ffn_output(
+                        last = conn.recv_ffn_output(
                             conn.send_attn_output(payload, AFDTransferMetadata(layer, 0, (n,)))
                         )
                         p2p_samples.append(time.perf_counter() - t0)
@@ -206,16 +216,49 @@ def _interleaved_rtt(
                         meta = ctl.transfer_metadata(layer, 0)
                         (p,) = conn.recv_attn_output(meta)
                         conn.send_ffn_output([p.hidden_states], meta)
+                        last = p.hidden_states
                         del p
-                elif rank == 0:  # the raw round trip, as in _raw_rtt
-                    t0 = time.perf_counter()
-                    pg.send([x], 1, RAW_TAG).wait()
-                    pg.recv([y], 1, RAW_TAG_BACK).wait()
-                    raw_samples.append(time.perf_counter() - t0)
-                else:
-                    pg.recv([y], 0, RAW_TAG).wait()
-                    pg.send([y], 0, RAW_TAG_BACK).wait()
+                else:  # the raw round trip, as in _raw_rtt, into the connector's buffer
+                    y = bufs[0] if last is None else last
+                    sample = _raw_round_trip(pg, rank, x, y)
+                    if rank == 0:
+                        raw_samples.append(sample)
+                    del y
     return p2p_samples, raw_samples
+
+
+def _placement_rtt(
+    groups: tuple[Any, Any], rank: int, x: torch.Tensor, bufs: list[torch.Tensor], steps: int
+) -> tuple[list[float], list[float]]:
+    """Control for :func:`_interleaved_rtt`: pairs of two *raw* round trips that differ only
+    in the receive buffer (``bufs[1]`` and ``bufs[0]``, the order alternating per layer).
+    Identical code, so the median difference is what buffer placement alone moves a pair by:
+    the error a comparison on different memory would make. Returns (``bufs[1]`` samples,
+    ``bufs[0]`` samples)."""
+    pg, sync_pg = groups
+    a_samples: list[float] = []
+    b_samples: list[float] = []
+    for _ in range(steps):
+        _sync(sync_pg, rank)
+        for layer in range(LAYERS):
+            for first in (layer % 2 == 0, layer % 2 == 1):
+                sample = _raw_round_trip(pg, rank, x, bufs[1] if first else bufs[0])
+                if rank == 0:
+                    (a_samples if first else b_samples).append(sample)
+    return a_samples, b_samples
+
+
+def _raw_round_trip(pg: Any, rank: int, x: torch.Tensor, y: torch.Tensor) -> float:
+    """One raw round trip (the Attention side sends ``x`` and receives into ``y``; the FFN
+    side receives into ``y`` and sends it back); its time on the Attention side, else 0.0."""
+    if rank == 0:
+        t0 = time.perf_counter()
+        pg.send([x], 1, RAW_TAG).wait()
+        pg.recv([y], 1, RAW_TAG_BACK).wait()
+        return time.perf_counter() - t0
+    pg.recv([y], 0, RAW_TAG).wait()
+    pg.send([y], 0, RAW_TAG_BACK).wait()
+    return 0.0
 
 
 def _raw_oneway(
@@ -332,7 +375,8 @@ def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool
         # The raw baselines receive into buffers allocated (and paged in) once per size.
         bufs = [torch.zeros_like(x) for _ in range(LAYERS)]
         rec: dict[str, Any] = {f"{k}_{m}": [] for k in (*KINDS, "rawpipe") for m in ("rtt", "tp")}
-        rec["interleaved_p2p_rtt"], rec["interleaved_raw_rtt"] = [], []
+        for name in ("interleaved_p2p", "interleaved_raw", "placement_a", "placement_b"):
+            rec[f"{name}_rtt"] = []
         for conn in conns.values():  # warm-up every path
             _raw_rtt(_groups(conn), rank, x, bufs, 1, False)
             _p2p_rtt(conn, rank, x, 1)
@@ -343,6 +387,11 @@ def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool
                     p2p_s, raw_s = _interleaved_rtt(conns["p2p"], rank, x, bufs, steps)
                     rec["interleaved_p2p_rtt"].append(p2p_s)
                     rec["interleaved_raw_rtt"].append(raw_s)
+                    continue
+                if kind == "placement":
+                    a_s, b_s = _placement_rtt(_groups(conns["p2p"]), rank, x, bufs, steps)
+                    rec["placement_a_rtt"].append(a_s)
+                    rec["placement_b_rtt"].append(b_s)
                     continue
                 conn = conns[GROUP_OF[kind]]
                 if kind == "raw_ahead":
@@ -461,6 +510,30 @@ def paired_ratio(row: dict[str, Any], kind: str, base: str) -> float:
     )
 
 
+def _pair_diffs_us(first: list[list[float]], second: list[list[float]]) -> list[list[float]]:
+    """Per repeat, the differences (µs) of interleaved pairs (``first[r][i] - second[r][i]``)."""
+    return [
+        [(p - r) * 1e6 for p, r in zip(ps, rs, strict=True)]
+        for ps, rs in zip(first, second, strict=True)
+    ]
+
+
+def _median_ci(per_repeat: list[list[float]], resamples: int = 400) -> tuple[float, float, float]:
+    """Median over all pairs, and its 95 % bootstrap interval: repeats are resampled whole
+    (pairs within a repeat are not independent), seeded, so a result file reproduces."""
+    flat = [v for rep in per_repeat for v in rep]
+    rng = random.Random(0)
+    medians = sorted(
+        statistics.median(v for rep in rng.choices(per_repeat, k=len(per_repeat)) for v in rep)
+        for _ in range(resamples)
+    )
+    return (
+        statistics.median(flat),
+        medians[int(0.025 * (resamples - 1))],
+        medians[int(0.975 * (resamples - 1))],
+    )
+
+
 def summarize(attn: dict[str, Any], ffn: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     for size_text in attn:
@@ -478,17 +551,22 @@ def summarize(attn: dict[str, Any], ffn: dict[str, Any]) -> list[dict[str, Any]]
             row[f"{kind}_oneway_MBps_per_repeat"] = tps
             row[f"{kind}_oneway_MBps_median"] = statistics.median(tps)
             row[f"{kind}_oneway_MBps_min"] = min(tps)
-        pairs = [
-            (p - r) * 1e6
-            for ps, rs in zip(a["interleaved_p2p_rtt"], a["interleaved_raw_rtt"], strict=True)
-            for p, r in zip(ps, rs, strict=True)
-        ]
-        for kind in ("p2p", "raw"):
-            flat = [v * 1e6 for s in a[f"interleaved_{kind}_rtt"] for v in s]
-            row[f"interleaved_{kind}_rtt_us_median"] = statistics.median(flat)
-            row[f"interleaved_{kind}_rtt_us_p99"] = _percentile(flat, 99)
-        row["interleaved_pairs"] = len(pairs)
-        row["p2p_added_us_per_call_interleaved"] = statistics.median(pairs) / CALLS_PER_RTT
+        for name, first, second in (
+            ("p2p", "interleaved_p2p", "interleaved_raw"),
+            ("placement", "placement_a", "placement_b"),
+        ):
+            per_repeat = _pair_diffs_us(a[f"{first}_rtt"], a[f"{second}_rtt"])
+            median, low, high = _median_ci(per_repeat)
+            row[f"{name}_added_us_per_call_interleaved"] = median / CALLS_PER_RTT
+            row[f"{name}_added_us_per_call_interleaved_ci95"] = [
+                low / CALLS_PER_RTT,
+                high / CALLS_PER_RTT,
+            ]
+        for kind in ("interleaved_p2p", "interleaved_raw"):
+            flat = [v * 1e6 for s in a[f"{kind}_rtt"] for v in s]
+            row[f"{kind}_rtt_us_median"] = statistics.median(flat)
+            row[f"{kind}_rtt_us_p99"] = _percentile(flat, 99)
+        row["interleaved_pairs"] = sum(len(s) for s in a["interleaved_p2p_rtt"])
         for kind in P2P_KINDS:
             base = RAW_BASE[kind]
             added_rtt = paired_added_us(row, kind, base)
@@ -564,17 +642,25 @@ def table(rows: list[dict[str, Any]]) -> str:
             for r in rows
         ],
     )
+
+    def ci(r: dict[str, Any], name: str) -> str:
+        low, high = r[f"{name}_added_us_per_call_interleaved_ci95"]
+        return f"{r[f'{name}_added_us_per_call_interleaved']:+.1f} [{low:+.1f}, {high:+.1f}]"
+
     pairs = _markdown(
-        "Round trips interleaved pair by pair (P2P, then raw on the same groups, or the other"
-        " way round): µs (median / P99); added per call = median over pairs of (P2P − raw) / 4:",
-        ["size", "raw", "P2P", "added", "pairs"],
+        "Round trips interleaved pair by pair (P2P, then raw on the same groups into the buffer"
+        " the connector handed out last, or the other way round): µs (median / P99); added per"
+        " call = median over pairs of (P2P − raw) / 4 [95 % bootstrap interval]; control: two"
+        " raw round trips on different buffers, interleaved the same way:",
+        ["size", "raw", "P2P", "added", "pairs", "control: raw vs raw, other buffer"],
         [
             [
                 _fmt_size(r["size_bytes"]),
                 _median_p99(r, "interleaved_raw"),
                 _median_p99(r, "interleaved_p2p"),
-                f"{r['p2p_added_us_per_call_interleaved']:+.1f}",
+                ci(r, "p2p"),
                 str(r["interleaved_pairs"]),
+                ci(r, "placement"),
             ]
             for r in rows
         ],
