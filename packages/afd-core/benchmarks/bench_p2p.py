@@ -36,8 +36,17 @@ Also measured in-process (no I/O, free of scheduler noise): the connector's own 
 against a null process group, minus the same null ``send``/``recv`` calls plus the receive-buffer
 allocation the raw path also needs).
 
+Interleaved pairs (the latency verdict): in a kind of its own, every layer makes one P2P round
+trip and one raw round trip on the same groups, which goes first alternating, and the raw one
+receives into the buffer the connector handed out last on that side (same memory: two raw loops
+that differ only in their receive buffer differ by tens of µs per call at 16 MiB on the 2-vCPU VM
+this was built on). The control kind ``placement`` pairs two raw round trips on different buffers
+the same way; its median difference is the error a comparison on different memory makes. Pairs
+run four times the blocks' steps above 1 MiB.
+
 Reported: median of the per-repeat medians and P99 over all samples (latency); median and minimum
-over repeats (throughput). Comparisons are paired by repeat (the kinds of one repeat ran back to
+over repeats (throughput); for the paired figures (interleaved pairs, throughput ratios) a 95 %
+bootstrap interval that resamples whole repeats (seeded). Comparisons are paired by repeat (the kinds of one repeat ran back to
 back), which cancels the machine's slow drift: the added round-trip time is the median over
 repeats of (RTT_p2p - RTT_raw), the throughput ratio the median of (MB/s_p2p / MB/s_raw). A round
 trip makes four calls on each path (P2P: ``send_attn_output``, ``recv_attn_output``,
@@ -341,6 +350,15 @@ def _steps_for(size: int, quick: bool) -> int:
     return 2 if size <= 1 << 20 else 1
 
 
+def _pair_steps_for(size: int, quick: bool) -> int:
+    """Interleaved-pair steps per repeat (P2P against raw, and the placement control): the
+    latency verdict rests on them, and above 1 MiB a pair's difference spreads over hundreds
+    of µs, so they get four times the blocks' steps there (the median's interval narrows with
+    the square root of the pairs)."""
+    steps = _steps_for(size, quick)
+    return steps if quick or size <= 1 << 20 else 4 * steps
+
+
 def _tp_steps_for(size: int, quick: bool) -> int:
     """One-way steps per repeat (timed together): a step of small payloads lasts only a few ms,
     too short for one timing to mean much on a shared host (with 4 steps per repeat the paired
@@ -371,6 +389,7 @@ def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool
         n = size // BYTES_PER_TOKEN
         x = torch.randn(n, HIDDEN)
         steps = _steps_for(size, quick)
+        pair_steps = _pair_steps_for(size, quick)
         tp_steps = _tp_steps_for(size, quick)
         # The raw baselines receive into buffers allocated (and paged in) once per size.
         bufs = [torch.zeros_like(x) for _ in range(LAYERS)]
@@ -384,12 +403,12 @@ def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool
             order = ROTATION[rep % len(ROTATION) :] + ROTATION[: rep % len(ROTATION)]
             for kind in order:
                 if kind == "interleaved":
-                    p2p_s, raw_s = _interleaved_rtt(conns["p2p"], rank, x, bufs, steps)
+                    p2p_s, raw_s = _interleaved_rtt(conns["p2p"], rank, x, bufs, pair_steps)
                     rec["interleaved_p2p_rtt"].append(p2p_s)
                     rec["interleaved_raw_rtt"].append(raw_s)
                     continue
                 if kind == "placement":
-                    a_s, b_s = _placement_rtt(_groups(conns["p2p"]), rank, x, bufs, steps)
+                    a_s, b_s = _placement_rtt(_groups(conns["p2p"]), rank, x, bufs, pair_steps)
                     rec["placement_a_rtt"].append(a_s)
                     rec["placement_b_rtt"].append(b_s)
                     continue
@@ -498,16 +517,18 @@ def paired_added_us(row: dict[str, Any], kind: str, base: str) -> float:
     )
 
 
-def paired_ratio(row: dict[str, Any], kind: str, base: str) -> float:
-    """Median over repeats of ``kind``'s one-way throughput relative to ``base``."""
-    return statistics.median(
-        p / b
+def paired_ratio(row: dict[str, Any], kind: str, base: str) -> tuple[float, float, float]:
+    """Median over repeats of ``kind``'s one-way throughput relative to ``base``, and its 95 %
+    bootstrap interval (over repeats)."""
+    ratios = [
+        [p / b]
         for p, b in zip(
             row[f"{kind}_oneway_MBps_per_repeat"],
             row[f"{base}_oneway_MBps_per_repeat"],
             strict=True,
         )
-    )
+    ]
+    return _median_ci(ratios)
 
 
 def _pair_diffs_us(first: list[list[float]], second: list[list[float]]) -> list[list[float]]:
@@ -575,8 +596,10 @@ def summarize(attn: dict[str, Any], ffn: dict[str, Any]) -> list[dict[str, Any]]
             row[f"{kind}_added_us_per_call_vs_raw_ahead"] = (
                 paired_added_us(row, kind, "raw_ahead") / CALLS_PER_RTT
             )
-            row[f"{kind}_throughput_ratio"] = paired_ratio(row, kind, base)
-            row[f"{kind}_throughput_ratio_vs_pipelined"] = paired_ratio(row, kind, "rawpipe")
+            ratio, low, high = paired_ratio(row, kind, base)
+            row[f"{kind}_throughput_ratio"] = ratio
+            row[f"{kind}_throughput_ratio_ci95"] = [low, high]
+            row[f"{kind}_throughput_ratio_vs_pipelined"] = paired_ratio(row, kind, "rawpipe")[0]
         rows.append(row)
     return rows
 
@@ -669,17 +692,17 @@ def table(rows: list[dict[str, Any]]) -> str:
     def mbps(r: dict[str, Any], kind: str) -> str:
         return f"{r[f'{kind}_oneway_MBps_median']:.0f} / {r[f'{kind}_oneway_MBps_min']:.0f}"
 
+    def ratio(r: dict[str, Any], kind: str) -> str:
+        low, high = r[f"{kind}_throughput_ratio_ci95"]
+        return f"{r[f'{kind}_throughput_ratio']:.2f} [{low:.2f}, {high:.2f}]"
+
     oneway = _markdown(
         "One-way throughput, MB/s (median / min over repeats); ratio = P2P / raw (each kind"
-        " against raw on its own process groups):",
+        " against raw on its own process groups) [95 % bootstrap interval]:",
         ["size", "raw", "raw pipelined (ref.)", "P2P", "ratio", "P2P reuse_buffers", "ratio"],
         [
             [_fmt_size(r["size_bytes"]), mbps(r, "raw"), mbps(r, "rawpipe")]
-            + [
-                cell
-                for kind in TABLE_KINDS
-                for cell in (mbps(r, kind), f"{r[f'{kind}_throughput_ratio']:.2f}")
-            ]
+            + [cell for kind in TABLE_KINDS for cell in (mbps(r, kind), ratio(r, kind))]
             for r in rows
         ],
     )
@@ -718,6 +741,7 @@ def main(argv: list[str] | None = None) -> int:
             "repeats": repeats,
             "layers_per_step": LAYERS,
             "rtt_steps_per_repeat": {str(s): _steps_for(s, args.quick) for s in sizes},
+            "pair_steps_per_repeat": {str(s): _pair_steps_for(s, args.quick) for s in sizes},
             "oneway_steps_per_repeat": {str(s): _tp_steps_for(s, args.quick) for s in sizes},
             "hidden": HIDDEN,
             "dtype": "float32",

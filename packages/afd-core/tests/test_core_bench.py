@@ -45,13 +45,15 @@ def test_bench_p2p_quick(tmp_path: Path) -> None:
             assert row[f"{kind}_throughput_ratio"] == pytest.approx(
                 statistics.median(p / r for p, r in zip(tp, tp_raw, strict=True))
             )
+            low, high = row[f"{kind}_throughput_ratio_ci95"]
+            assert low <= row[f"{kind}_throughput_ratio"] <= high
             rtt, rtt_raw = row[f"{kind}_rtt_us_per_repeat"], row[f"{raw}_rtt_us_per_repeat"]
             added = statistics.median(p - r for p, r in zip(rtt, rtt_raw, strict=True))
             assert row[f"{kind}_added_us_per_call"] == pytest.approx(added / 4)
             assert row[f"{kind}_added_us_per_transfer"] == pytest.approx(added / 2)
         # Interleaved pairs: one P2P and one raw round trip per pair, every layer of every step;
         # the placement control pairs two raw round trips the same way.
-        steps = doc["config"]["rtt_steps_per_repeat"][str(row["size_bytes"])]
+        steps = doc["config"]["pair_steps_per_repeat"][str(row["size_bytes"])]
         assert row["interleaved_pairs"] == repeats * steps * 48
         for kind in ("p2p", "raw"):
             assert (

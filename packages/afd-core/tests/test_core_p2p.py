@@ -450,3 +450,30 @@ def test_stream_ordered_backends_post_no_receive_ahead() -> None:
     gloo.send_control(AFDControlMessage(((2,),)))
     gloo.recv_ffn_output(gloo.send_attn_output(AFDPayload(x), AFDTransferMetadata(0, 0, (2,))))
     assert group.ops == [("send", 1), ("recv", reply_tag), ("send", data_tag)]
+
+
+def test_ffn_posts_ahead_only_on_stages_with_a_window() -> None:
+    """The FFN side computes once per control message which stages have a receive window
+    (``recv_ahead_bytes``); the others post every receive when it is asked for, and a shutdown
+    message leaves no stage scheduling ahead."""
+    cfg = AFDConfig(role=AFDRole.FFN, connector_extra_config={"recv_ahead_bytes": 64})
+    ffn = P2PConnector(cfg, payload_spec=spec(), num_layers=4)  # 16 bytes per token
+    assert (ffn._window(2), ffn._window(8)) == (2, 0)
+    group = _bypass_init(ffn)
+    control = AFDControlMessage(((2,), (8,)))  # stage 0: 32 B, in the budget; stage 1: 128 B
+    ffn._control = control
+    ffn._post_step_recvs(control)
+    assert ffn._ahead_stages == frozenset({0})
+    stage0, stage1 = 64, 64 + 16  # the hidden_states tags of stages 0 and 1 (to the FFN rank)
+    assert group.ops == [("recv", stage0)]  # request/reply so far: one receive ahead
+    # A stream on stage 1 (two layers received before any reply): posted when asked, only.
+    for layer in (0, 1):
+        (payload,) = ffn.recv_attn_output(control.transfer_metadata(layer, 1))
+        assert payload.hidden_states.shape == (8, 4)
+    assert group.ops == [("recv", stage0), ("recv", stage1), ("recv", stage1)]
+    assert (0, ffn.served_world_ranks[0]) in ffn._posted and len(ffn._posted) == 1
+    # The shutdown message: nothing is scheduled ahead any more.
+    words = AFDControlMessage.shutdown_message().words()
+    ffn._control_bufs[0][: len(words)] = torch.tensor(words)
+    assert ffn.recv_control().shutdown
+    assert ffn._ahead_stages == frozenset() and ffn._control is None

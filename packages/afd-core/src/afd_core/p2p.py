@@ -758,7 +758,9 @@ class P2PConnector(AFDConnectorBase):
             )
         )
         self._control = None if merged.shutdown else merged
-        if self._control is not None:
+        if self._control is None:
+            self._ahead_stages = frozenset()
+        else:
             # The step's first data receives first (the Attention ranks' sends wait for their
             # notices), then the next step's control receive, so its sender never waits for it.
             self._post_step_recvs(self._control)
