@@ -46,13 +46,13 @@ run four times the blocks' steps above 1 MiB.
 
 Reported: median of the per-repeat medians and P99 over all samples (latency); median and minimum
 over repeats (throughput); for the paired figures (interleaved pairs, throughput ratios) a 95 %
-bootstrap interval that resamples whole repeats (seeded). Comparisons are paired by repeat (the kinds of one repeat ran back to
-back), which cancels the machine's slow drift: the added round-trip time is the median over
-repeats of (RTT_p2p - RTT_raw), the throughput ratio the median of (MB/s_p2p / MB/s_raw). A round
-trip makes four calls on each path (P2P: ``send_attn_output``, ``recv_attn_output``,
-``send_ffn_output``, ``recv_ffn_output``; raw: two sends, two receives), so the added latency per
-call is the added RTT / 4; per transfer (one direction, a send and a receive call) it is twice
-that.
+bootstrap interval that resamples whole repeats (seeded). Block comparisons are paired by repeat
+(the kinds of one repeat ran back to back), which cancels the machine's slow drift: the added
+round-trip time is the median over repeats of (RTT_p2p - RTT_raw), the throughput ratio the median
+of (MB/s_p2p / MB/s_raw). A round trip makes four calls on each path (P2P:
+``send_attn_output``, ``recv_attn_output``, ``send_ffn_output``, ``recv_ffn_output``; raw: two
+sends, two receives), so the added latency per call is the added RTT / 4; per transfer (one
+direction, a send and a receive call) it is twice that.
 
 Usage: ``python bench_p2p.py --out results.json [--quick]``
 """
@@ -232,7 +232,7 @@ def _interleaved_rtt(
                     sample = _raw_round_trip(pg, rank, x, y)
                     if rank == 0:
                         raw_samples.append(sample)
-                    del y
+                    del y  # else it would keep the pool from handing the buffer out again
     return p2p_samples, raw_samples
 
 
