@@ -38,11 +38,10 @@ allocation the raw path also needs).
 
 Interleaved pairs (the latency verdict): in a kind of its own, every layer makes one P2P round
 trip and one raw round trip on the same groups, which goes first alternating, and the raw one
-receives into the buffer the connector handed out last on that side (same memory: two raw loops
-that differ only in their receive buffer differ by tens of µs per call at 16 MiB on the 2-vCPU VM
-this was built on). The control kind ``placement`` pairs two raw round trips on different buffers
-the same way; its median difference is the error a comparison on different memory makes. Pairs
-run four times the blocks' steps above 1 MiB.
+receives into the buffer the connector handed out last on that side (same memory: the pair then
+differs only in the connector's code and posting order). The control kind ``placement`` pairs two
+raw round trips on different buffers the same way; its median difference is what a different
+buffer alone moves a pair by. Pairs run four times the blocks' steps above 1 MiB.
 
 Reported: median of the per-repeat medians and P99 over all samples (latency); median and minimum
 over repeats (throughput); for the paired figures (interleaved pairs, throughput ratios) a 95 %
@@ -195,10 +194,10 @@ def _interleaved_rtt(
 
     Same memory: each side's raw round trip receives into the buffer the connector handed out
     last on that side (before the first, ``bufs[0]``), so the two of a pair differ only in the
-    connector's code and posting order, not in which pages back the receive buffer (two raw
-    loops that differ only in that buffer differ by tens of µs per call at 16 MiB on this VM;
-    :func:`_placement_rtt` measures it in the same run). The raw side drops its reference
-    before the connector's next call, so the connector's pool can hand that buffer out again."""
+    connector's code and posting order, not in which pages back the receive buffer
+    (:func:`_placement_rtt` measures what that alone moves a pair by). The raw side drops its
+    reference before the connector's next call, so the connector's pool can hand that buffer
+    out again."""
     pg, sync_pg = _groups(conn)
     n = x.shape[0]
     payload = AFDPayload(x)
