@@ -14,6 +14,7 @@ from afd_core.errors import (
     AFDConnectorError,
     AFDNotInitializedError,
     AFDPayloadError,
+    AFDPeerError,
     AFDTimeoutError,
 )
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
@@ -477,3 +478,29 @@ def test_ffn_posts_ahead_only_on_stages_with_a_window() -> None:
     ffn._control_bufs[0][: len(words)] = torch.tensor(words)
     assert ffn.recv_control().shutdown
     assert ffn._ahead_stages == frozenset() and ffn._control is None
+
+
+@pytest.mark.parametrize("check_sequence", [False, True])
+def test_ffn_receive_that_cannot_be_posted_fails_naming_the_peer(check_sequence: bool) -> None:
+    """A transport error while posting a receive (either posting path) closes the connector
+    and raises AFDPeerError naming the Attention rank and the operation."""
+    extra = {"recv_ahead": False, "check_sequence": check_sequence}
+    ffn = P2PConnector(
+        AFDConfig(role=AFDRole.FFN, connector_extra_config=extra),
+        payload_spec=spec(),
+        num_layers=4,
+    )
+    group = _bypass_init(ffn)
+
+    def broken_recv(tensors: list[torch.Tensor], src: int, tag: int) -> Any:
+        raise RuntimeError("Connection closed by peer")
+
+    group.recv = broken_recv  # type: ignore[method-assign]
+    control = AFDControlMessage(((2,),))
+    ffn._control = control
+    with pytest.raises(AFDPeerError) as info:
+        ffn.recv_attn_output(control.transfer_metadata(0, 0))
+    assert info.value.rank == ffn.served_world_ranks[0]
+    assert info.value.stage == "recv_attn_output"
+    assert "Connection closed by peer" in str(info.value)
+    assert not ffn.is_initialized
