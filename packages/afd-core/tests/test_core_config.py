@@ -28,6 +28,8 @@ def test_defaults_and_types() -> None:
     assert (c.num_attention_ranks, c.num_ffn_ranks) == (1, 1)
     assert c.compute_gate_on_attention is False
     assert c.timeout_s == 120.0 and isinstance(c.timeout_s, float)
+    assert c.startup_timeout_s == 300.0 and isinstance(c.startup_timeout_s, float)
+    assert c.ffn_compute == "native"
     assert dict(c.connector_extra_config) == {}
     assert c.is_attention and not c.is_ffn
 
@@ -42,11 +44,18 @@ def test_full_mapping_and_roundtrip() -> None:
         "num_ffn_ranks": 3,
         "compute_gate_on_attention": True,
         "timeout_s": 7,
+        "startup_timeout_s": "30",
+        "ffn_compute": "Mega",
         "connector_extra_config": {"check_sequence": True},
     }
     c = AFDConfig.from_mapping(raw)
     assert c.role is AFDRole.FFN and c.is_ffn
-    assert c.to_mapping() == {**raw, "timeout_s": 7.0}
+    assert c.to_mapping() == {
+        **raw,
+        "timeout_s": 7.0,
+        "startup_timeout_s": 30.0,
+        "ffn_compute": "mega",
+    }
     assert AFDConfig.from_mapping(c.to_mapping()) == c
     assert set(c.to_mapping()) == set(CONFIG_FIELDS)
 
@@ -71,6 +80,8 @@ def test_config_is_frozen_and_extra_read_only() -> None:
         ("compute_gate_on_attention", "1", True),
         ("timeout_s", "2.5", 2.5),
         ("timeout_s", 3, 3.0),
+        ("startup_timeout_s", "600", 600.0),
+        ("ffn_compute", " Layered ", "layered"),
         ("connector", " p2p ", "p2p"),
         ("connector", "P2pNcclAFDConnector", "p2p"),
         ("host", " localhost ", "localhost"),
@@ -118,6 +129,12 @@ INVALID: list[tuple[str, Any]] = [
     ("timeout_s", float("nan")),
     ("timeout_s", True),
     ("timeout_s", "soon"),
+    ("startup_timeout_s", 0),
+    ("startup_timeout_s", float("inf")),
+    ("startup_timeout_s", False),
+    ("ffn_compute", "bogus"),
+    ("ffn_compute", ""),
+    ("ffn_compute", 1),
     ("connector_extra_config", [("check_sequence", True)]),
     ("connector_extra_config", "check_sequence"),
     ("connector_extra_config", {1: True}),
@@ -221,6 +238,7 @@ def test_direct_construction_does_not_coerce() -> None:
         ({"role": "ffn", "compute_gate_on_attention": "true"}, "compute_gate_on_attention"),
         ({"role": "ffn", "host": " h"}, "host"),
         ({"role": "ffn", "timeout_s": "1"}, "timeout_s"),
+        ({"role": "ffn", "ffn_compute": "Native"}, "ffn_compute"),
     ]:
         with pytest.raises(AFDConfigError) as info:
             AFDConfig(**kwargs)
@@ -253,6 +271,8 @@ def test_agreement_hash_covers_exactly_the_shared_fields() -> None:
     same = [
         {"role": "ffn"},
         {"timeout_s": 1.0},
+        {"startup_timeout_s": 5.0},
+        {"ffn_compute": "layered"},  # an FFN-local choice
     ]
     different = [
         {"connector_extra_config": {"check_sequence": True}},

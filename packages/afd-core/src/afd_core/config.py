@@ -9,7 +9,8 @@ Invariants:
   aliases are accepted but an alias together with its canonical key is an error, and coercion is
   strict (``bool`` is never an int, ``float`` is never an int, ints are never booleans).
 * :meth:`AFDConfig.agreement_hash` covers exactly the fields both roles must agree on (everything
-  but ``role`` and ``timeout_s``) and is stable across processes and Python versions.
+  but :data:`LOCAL_FIELDS`: ``role``, the timeouts and ``ffn_compute``) and is stable across
+  processes and Python versions.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ __all__ = [
     "CONFIG_ALIASES",
     "CONFIG_FIELDS",
     "CONNECTOR_NAME_ALIASES",
+    "FFN_COMPUTE_KINDS",
+    "LOCAL_FIELDS",
     "AFDConfig",
     "AFDConfigError",
     "AFDRole",
@@ -48,9 +51,19 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "num_ffn_ranks",
     "compute_gate_on_attention",
     "timeout_s",
+    "startup_timeout_s",
+    "ffn_compute",
     "connector_extra_config",
 )
 """Canonical keys accepted under ``additional_config["afd"]``."""
+
+FFN_COMPUTE_KINDS: tuple[str, ...] = ("native", "layered", "mega")
+"""Values of ``ffn_compute`` (how the FFN role computes its experts). ``native`` runs the model's
+own vLLM ``FusedMoE``; ``layered`` / ``mega`` are afd-compute-npu's computes (the runtime says
+which of them it can serve)."""
+
+LOCAL_FIELDS: tuple[str, ...] = ("role", "timeout_s", "startup_timeout_s", "ffn_compute")
+"""Fields each process may set on its own: excluded from :meth:`AFDConfig.agreement_hash`."""
 
 CONFIG_ALIASES: Mapping[str, str] = MappingProxyType(
     {
@@ -174,6 +187,8 @@ class AFDConfig:
     num_ffn_ranks: int = 1
     compute_gate_on_attention: bool = False
     timeout_s: float = 120.0
+    startup_timeout_s: float = 300.0
+    ffn_compute: str = "native"
     connector_extra_config: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({}), hash=False
     )
@@ -224,6 +239,20 @@ class AFDConfig:
         ):
             raise AFDConfigError("timeout_s", self.timeout_s, "a finite number of seconds > 0")
         object.__setattr__(self, "timeout_s", float(self.timeout_s))
+        if (
+            isinstance(self.startup_timeout_s, bool)
+            or not isinstance(self.startup_timeout_s, int | float)
+            or not math.isfinite(self.startup_timeout_s)
+            or self.startup_timeout_s <= 0
+        ):
+            raise AFDConfigError(
+                "startup_timeout_s", self.startup_timeout_s, "a finite number of seconds > 0"
+            )
+        object.__setattr__(self, "startup_timeout_s", float(self.startup_timeout_s))
+        if self.ffn_compute not in FFN_COMPUTE_KINDS:
+            raise AFDConfigError(
+                "ffn_compute", self.ffn_compute, f"one of {list(FFN_COMPUTE_KINDS)}"
+            )
 
         extra = _freeze_extra(self.connector_extra_config)
         # The selected connector owns (and validates) its extra config.
@@ -309,8 +338,11 @@ class AFDConfig:
             kwargs["compute_gate_on_attention"] = _coerce_bool(
                 "compute_gate_on_attention", canonical["compute_gate_on_attention"]
             )
-        if "timeout_s" in canonical:
-            kwargs["timeout_s"] = _coerce_float("timeout_s", canonical["timeout_s"])
+        for name in ("timeout_s", "startup_timeout_s"):
+            if name in canonical:
+                kwargs[name] = _coerce_float(name, canonical[name])
+        if "ffn_compute" in canonical:
+            kwargs["ffn_compute"] = _coerce_str("ffn_compute", canonical["ffn_compute"]).lower()
         if "connector_extra_config" in canonical:
             extra = canonical["connector_extra_config"]
             kwargs["connector_extra_config"] = {} if extra is None else _freeze_extra(extra)
@@ -327,20 +359,14 @@ class AFDConfig:
             "num_ffn_ranks": self.num_ffn_ranks,
             "compute_gate_on_attention": self.compute_gate_on_attention,
             "timeout_s": self.timeout_s,
+            "startup_timeout_s": self.startup_timeout_s,
+            "ffn_compute": self.ffn_compute,
             "connector_extra_config": dict(self.connector_extra_config),
         }
 
     def agreement_fields(self) -> dict[str, Any]:
-        """The fields both roles must agree on (all but ``role`` and ``timeout_s``)."""
-        return {
-            "connector": self.connector,
-            "host": self.host,
-            "port": self.port,
-            "num_attention_ranks": self.num_attention_ranks,
-            "num_ffn_ranks": self.num_ffn_ranks,
-            "compute_gate_on_attention": self.compute_gate_on_attention,
-            "connector_extra_config": dict(self.connector_extra_config),
-        }
+        """The fields both roles must agree on: all but :data:`LOCAL_FIELDS`."""
+        return {k: v for k, v in self.to_mapping().items() if k not in LOCAL_FIELDS}
 
     def agreement_hash(self) -> str:
         """SHA-256 (hex) of :meth:`agreement_fields` as canonical JSON (sorted keys)."""

@@ -27,6 +27,7 @@ connectors through the ``afd.connectors`` entry-point group (``name = "pkg.modul
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -190,6 +191,16 @@ class AFDConnectorBase(ABC):
     @abstractmethod
     def is_initialized(self) -> bool:
         """True between a successful ``init`` and ``close``."""
+
+    def abort(self, op: str, reason: str) -> None:
+        """Fail this rank on purpose: tell the peers why, then :meth:`close`. Never raises.
+
+        A connector with a failure channel publishes ``reason`` there, so every peer's pending
+        or next wait raises :class:`AFDPeerError` naming this rank, ``op`` and ``reason``
+        instead of timing out. The default only closes (the peers then see a lost peer).
+        """
+        with contextlib.suppress(Exception):
+            self.close()
 
     def __enter__(self) -> AFDConnectorBase:
         self.init()

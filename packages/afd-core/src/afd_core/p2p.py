@@ -12,7 +12,8 @@ Per initialisation (generation ``g``, counted per rank on the store so re-init a
    both sides); a failing rank publishes its failure so no peer waits for it;
 3. a barrier, then two process groups: a Gloo *control* group (CPU ``int64`` control messages)
    and a *data* group whose backend follows the device (``cpu``: gloo, ``cuda``: nccl,
-   ``npu``: hccl), with ``config.timeout_s`` as its timeout.
+   ``npu``: hccl), with ``config.timeout_s`` as its timeout. Steps 1-3 wait at most
+   ``config.startup_timeout_s`` in all (a peer role may still be loading its model).
 
 Per step (see :mod:`afd_core.connector` for the call order): every Attention rank sends its
 per-stage token counts to its FFN rank (fixed-size control message, tag per direction); per layer
@@ -408,12 +409,13 @@ class P2PConnector(AFDConnectorBase):
             return
         stage = "connect"
         try:
-            deadline = time.monotonic() + self.config.timeout_s
+            startup_s = self.config.startup_timeout_s
+            deadline = time.monotonic() + startup_s
             root = open_tcp_store(
                 self.config.host,
                 self.config.port,
                 is_master=self.world_rank == 0,
-                timeout_s=self.config.timeout_s,
+                timeout_s=startup_s,
             )
             self._store = root
             self._generation = int(root.add(f"afd/inits/{self.world_rank}", 1))
@@ -423,7 +425,7 @@ class P2PConnector(AFDConnectorBase):
                 ns,
                 rank=self.world_rank,
                 world_size=self.topology.world_size,
-                timeout_s=self.config.timeout_s,
+                timeout_s=startup_s,
             )
             self._coordinator = coord
             stage = "claim"
@@ -516,6 +518,14 @@ class P2PConnector(AFDConnectorBase):
                                 peer,
                             )
                 raise AFDHandshakeError(key, mine[key], theirs.get(key), peer)
+
+    def abort(self, op: str, reason: str) -> None:
+        """Publish this rank's failure (``op``, ``reason``) on the store, then close: the peers'
+        waits fail at once (their connections drop) naming this rank and ``reason``."""
+        coord = self._coordinator
+        if coord is not None:
+            coord.publish_failure(op, reason)
+        self.close()
 
     def close(self) -> None:
         for handle in list(self._handles):

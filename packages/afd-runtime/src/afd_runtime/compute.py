@@ -3,13 +3,14 @@
 The FFN service loop calls an :class:`FFNCompute` once per (step, MoE layer). The parity path,
 :class:`NativeFusedMoECompute`, runs the model's own vLLM ``FusedMoE`` (MoERunner) inside a vLLM
 forward context, exactly the op plain vLLM runs. afd-compute-npu's Layered / Mega compute plugs in
-here next: implement :class:`FFNCompute` and add a name to :data:`FFN_COMPUTE_NAMES`.
+here next: implement :class:`FFNCompute` and add its name (one of
+:data:`afd_core.config.FFN_COMPUTE_KINDS`) to :data:`FFN_COMPUTE_NAMES`.
 
 Invariants:
 * ``FFNCompute.__call__`` returns a tensor of the same shape and dtype as ``hidden_states`` and
   does not retain its inputs.
-* Selection happens once at startup; an unknown or not-yet-wired name raises before the service
-  starts, naming ``connector_extra_config.ffn_compute`` and the allowed values.
+* Selection happens once at startup; a kind this runtime does not serve raises before the service
+  starts, naming ``ffn_compute`` and the allowed values.
 """
 
 from __future__ import annotations
@@ -21,11 +22,10 @@ from typing import Final, Protocol, runtime_checkable
 import torch
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDConfigError
+from afd_core.metadata import AFDPayloadSpec
 
-#: Accepted values of ``connector_extra_config["ffn_compute"]``.
+#: ``AFDConfig.ffn_compute`` values this runtime serves.
 FFN_COMPUTE_NAMES: Final[tuple[str, ...]] = ("native",)
-#: Names reserved for afd-compute-npu's compute, not wired to the vLLM runtime yet.
-RESERVED_FFN_COMPUTE_NAMES: Final[tuple[str, ...]] = ("layered", "mega")
 
 
 @runtime_checkable
@@ -33,11 +33,14 @@ class AFDFFNModel(Protocol):
     """What an FFN-role model adapter exposes to the runtime.
 
     ``afd_moe_layer_indices`` lists, in forward order, the decoder layers whose routed experts this
-    FFN rank serves; ``afd_ffn_forward`` computes the routed-expert output of one layer (applying
-    the gate first when the gate lives on the FFN role).
+    FFN rank serves; ``afd_payload_spec`` is what the Attention role sends per layer (the same
+    spec the Attention adapter builds: the connector handshake compares them);
+    ``afd_ffn_forward`` computes the routed-expert output of one layer (applying the gate first
+    when the gate lives on the FFN role).
     """
 
     afd_moe_layer_indices: tuple[int, ...]
+    afd_payload_spec: AFDPayloadSpec
 
     def afd_ffn_forward(
         self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
@@ -45,7 +48,7 @@ class AFDFFNModel(Protocol):
 
 
 class FFNCompute(Protocol):
-    """Computes the FFN half of one MoE layer for one attention rank's tokens."""
+    """Computes the FFN half of one MoE layer for the tokens of every served Attention rank."""
 
     def __call__(
         self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
@@ -81,18 +84,20 @@ class NativeFusedMoECompute:
 
 
 def ffn_compute_name(config: AFDConfig) -> str:
-    """The requested compute name (``connector_extra_config.ffn_compute``, default ``native``)."""
-    name = config.connector_extra_config.get("ffn_compute", "native")
-    if name in FFN_COMPUTE_NAMES:
-        return str(name)
-    if name in RESERVED_FFN_COMPUTE_NAMES:
+    """``config.ffn_compute`` when this runtime serves it, else :class:`AFDConfigError`.
+
+    The config parser already rejects unknown names (naming ``ffn_compute`` and the kinds);
+    afd-compute-npu's ``layered`` / ``mega`` are valid kinds that serving does not run yet.
+    """
+    name = config.ffn_compute
+    if name not in FFN_COMPUTE_NAMES:
         raise AFDConfigError(
-            "connector_extra_config.ffn_compute",
+            "ffn_compute",
             name,
-            f"one of {FFN_COMPUTE_NAMES} (afd-compute-npu's {name!r} compute is not wired to the "
-            "vLLM runtime yet)",
+            f"one of {list(FFN_COMPUTE_NAMES)} (afd-compute-npu's {name!r} compute is not wired "
+            "into serving yet)",
         )
-    raise AFDConfigError("connector_extra_config.ffn_compute", name, f"one of {FFN_COMPUTE_NAMES}")
+    return name
 
 
 def select_ffn_compute(

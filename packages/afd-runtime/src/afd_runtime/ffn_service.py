@@ -1,143 +1,175 @@
-"""The FFN role's connector-driven service loop.
+"""The FFN role's service loop: one thread serves every Attention rank of this FFN rank.
 
-One daemon thread per served attention rank (``afd-ffn-serve-a<rank>``) runs::
+It speaks only afd-core's connector contract (the connector ``AFDConfig.connector`` selects,
+built by :func:`afd_core.connector.create_connector`). Per step::
 
-    recv control -> for each MoE layer (in forward order): recv hidden (+ router logits),
-    compute (FFNCompute), reply
+    msg = connector.recv_control()                  # every served Attention rank's counts
+    for layer in layer_indices:                     # forward order
+        for stage in range(msg.num_stages):
+            meta = msg.transfer_metadata(layer, stage)
+            payloads = connector.recv_attn_output(meta)   # one per served rank, rank order
+            out = compute(layer, cat(hidden), cat(logits))  # ONE call over all the peers
+            connector.send_ffn_output(out, meta)           # split back by meta.num_tokens
 
-Compute is serialised by one lock (vLLM's forward context is process-global). The loop never
-touches vLLM's scheduler or KV cache.
+Batching: the unit of work is (layer, stage) over all served Attention ranks; their tokens are
+concatenated in served-rank order, computed once and split back by each rank's count. A stage
+whose total is zero tokens runs no compute.
 
-Invariants:
-* A failure (compute error, protocol violation, transfer timeout, a peer that vanished without
-  saying goodbye) is stored (first error wins), written to the store key ``afd/error/ffn<rank>``
-  and, for compute errors, answered with ``STATUS_ERROR`` so the Attention side raises a clear
-  error instead of waiting. :meth:`FFNService.raise_if_failed` re-raises it in the engine.
-* A peer that sends ``KIND_GOODBYE`` ends its session cleanly; the thread then waits for the next
-  Attention deployment (a new session id), so an FFN outlives Attention restarts.
-* Waiting for the next control message is unbounded (an idle FFN is healthy); every wait inside
-  a step is bounded by the configured timeout.
-* :meth:`FFNService.stop` is idempotent; threads blocked waiting for an idle peer are daemon
-  threads and end with the process.
+Idle peers: the connector is lockstep (every served Attention rank announces every step). vLLM
+data parallelism keeps its ranks in lockstep already: while any rank has requests, every idle
+rank runs a dummy batch (one token) in the same iteration, so an idle rank costs its peers at
+most one padded token per step; when every rank is idle nobody steps and the loop waits for the
+next control message without a deadline (an idle FFN is healthy). A rank that stops stepping
+while its peers step is a failed rank: its peers' waits end after ``timeout_s`` (or at once when
+its connection drops).
+
+Lifecycle and failures:
+
+* The connector is initialised in the service thread, retried until the Attention deployment
+  appears (each attempt bounded by ``startup_timeout_s``); the FFN outlives its Attention
+  deployment: a shutdown control message (the Attention role's goodbye) or a lost peer closes
+  the connector and the loop waits for the next deployment.
+* A handshake disagreement (different AFD settings or model shapes) and a protocol violation are
+  fatal, and so is a compute error: it is published through the connector
+  (:meth:`afd_core.connector.AFDConnectorBase.abort`), so the Attention ranks' waits fail at once
+  with this rank's error text, and then re-raised by :meth:`FFNService.raise_if_failed`.
+* :meth:`FFNService.stop` is idempotent; a thread blocked waiting for an idle peer cannot be
+  interrupted (the transport offers no cancellation): it is a daemon thread and ends with the
+  process.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-import torch.distributed as dist
+import torch
 from afd_core.config import AFDConfig
+from afd_core.connector import AFDConnectorBase
+from afd_core.errors import (
+    AFDHandshakeError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDTimeoutError,
+)
+from afd_core.metadata import AFDControlMessage, AFDPayload
 from afd_core.topology import AFDTopology
 
 from afd_runtime.compute import FFNCompute
-from afd_runtime.transport import (
-    KIND_FORWARD,
-    KIND_GOODBYE,
-    STATUS_ERROR,
-    STATUS_OK,
-    AFDAgreementError,
-    AFDTransportError,
-    PairChannel,
-    TransportSpec,
-    check_agreement,
-    dtype_from_code,
-    header,
-    open_store,
-    read_session,
-)
 
 logger = logging.getLogger(__name__)
 
-#: How long the FFN waits for its Attention peers to appear (they may start later).
-FFN_STARTUP_TIMEOUT_S = 900.0
-#: How often a waiting FFN retries reaching its Attention deployment.
-CONNECT_RETRY_S = 2.0
-#: How long ``stop`` waits (in total) for the threads to finish their current step.
+#: How long a waiting FFN pauses before trying to reach its Attention deployment again.
+CONNECT_RETRY_S = 1.0
+#: How long :meth:`FFNService.stop` waits for a step in progress to finish.
 FFN_STOP_JOIN_S = 5.0
+#: How often (at most) the service prints its counters while they change.
+STATS_INTERVAL_S = 2.0
+#: The counters line (printed, not only logged, so log parsers find it without a prefix).
+STATS_FORMAT = (
+    "AFD FFN rank={rank} stats steps={steps} compute_calls={calls} tokens={tokens} peers={peers}"
+)
 
-
-def _port_open(host: str, port: int) -> bool:
-    """True when something accepts TCP connections on ``host:port`` (cheap, silent probe)."""
-    try:
-        with socket.create_connection((host, port), timeout=1.0):
-            return True
-    except OSError:
-        return False
+ConnectorFactory = Callable[[], AFDConnectorBase]
 
 
 class FFNServiceError(RuntimeError):
     """The FFN service loop failed; ``__cause__`` holds the original error."""
 
 
-def error_key(ffn_rank: int) -> str:
-    """Store key where FFN rank ``ffn_rank`` publishes its failure text."""
-    return f"afd/error/ffn{ffn_rank}"
+@dataclass
+class FFNServiceStats:
+    """Counters of one FFN rank (monotonic for the life of the service).
+
+    ``compute_calls / steps`` is the number of compute calls per step: with batching it equals
+    the number of MoE layers times stages, whatever the number of served Attention ranks.
+    """
+
+    steps: int = 0
+    compute_calls: int = 0
+    tokens: int = 0
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Mean tokens per compute call."""
+        return self.tokens / self.compute_calls if self.compute_calls else 0.0
+
+
+def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+
+
+def batch_payloads(payloads: Sequence[AFDPayload]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Hidden states (and router logits when present) of every peer, concatenated in order."""
+    hidden = _cat([p.hidden_states for p in payloads])
+    if payloads[0].router_logits is None:
+        return hidden, None
+    return hidden, _cat([p.router_logits for p in payloads if p.router_logits is not None])
 
 
 class FFNService:
-    """Serves the attention ranks of one FFN rank until stopped or failed."""
+    """Serves the Attention ranks of one FFN rank until stopped or failed."""
 
     def __init__(
         self,
         config: AFDConfig,
         ffn_rank: int,
         layer_indices: Sequence[int],
-        hidden_size: int,
         compute: FFNCompute,
-        *,
-        startup_timeout_s: float = FFN_STARTUP_TIMEOUT_S,
+        connector_factory: ConnectorFactory,
     ) -> None:
         if not layer_indices:
             raise ValueError("layer_indices is empty; allowed: at least one MoE layer index")
         self.config = config
         self.ffn_rank = ffn_rank
-        self.topology = AFDTopology.from_config(config)
-        self.topology.check_role_rank("ffn", ffn_rank)
+        topology = AFDTopology.from_config(config)
+        topology.check_role_rank("ffn", ffn_rank)
+        self.num_peers = len(topology.attention_ranks_for(ffn_rank))
         self.layer_indices = tuple(layer_indices)
-        self.hidden_size = hidden_size
         self.compute = compute
-        self.spec = TransportSpec.from_config(config, startup_timeout_s=startup_timeout_s)
-        self._lock = threading.Lock()
+        self._factory = connector_factory
+        self._connector: AFDConnectorBase | None = None
         self._stop = threading.Event()
+        self._done = threading.Event()
+        self._idle = threading.Event()  # set while waiting for a control message or a peer
         self._error: BaseException | None = None
-        self._error_lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
-        self._store: dist.Store | None = None
-        self.steps_served = 0
+        self._thread: threading.Thread | None = None
+        self.stats = FFNServiceStats()
+        self.deployments = 0  # Attention deployments served (initialised connectors)
+        self._printed: tuple[int, int, int] = (0, 0, 0)
+        self._printed_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
-        """Start one serving thread per attention rank; each connects in the background."""
-        if self._threads:
+        """Start the service thread (idempotent)."""
+        if self._thread is not None:
             return
-        for a in self.topology.attention_ranks_for(self.ffn_rank):
-            t = threading.Thread(
-                target=self._thread_main, args=(a,), name=f"afd-ffn-serve-a{a}", daemon=True
-            )
-            self._threads.append(t)
-            t.start()
+        self._thread = threading.Thread(
+            target=self._main, name=f"afd-ffn-service-{self.ffn_rank}", daemon=True
+        )
+        self._thread.start()
 
     def stop(self) -> None:
-        """Ask every thread to stop; wait at most :data:`FFN_STOP_JOIN_S` in total (idempotent).
+        """Ask the thread to stop and wait for a step in progress (idempotent).
 
-        A thread blocked waiting for an idle peer's next control message cannot be interrupted
-        (gloo offers no cancellation); it is a daemon thread and ends with the process.
-        """
+        A thread waiting for an idle peer is not waited for (see the module docstring)."""
         if self._stop.is_set():
             return
         self._stop.set()
-        deadline = time.monotonic() + FFN_STOP_JOIN_S
-        for t in self._threads:
-            t.join(max(0.0, deadline - time.monotonic()))
+        t = self._thread
+        if t is not None and not self._idle.is_set():
+            t.join(FFN_STOP_JOIN_S)
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block up to ``timeout_s``; True once the thread has ended (failed or stopped)."""
+        return self._done.wait(timeout_s)
 
     @property
     def failed(self) -> bool:
-        """True once a thread stored an error."""
+        """True once the loop stored an error."""
         return self._error is not None
 
     def raise_if_failed(self) -> None:
@@ -146,114 +178,117 @@ class FFNService:
         if err is not None:
             raise FFNServiceError(f"AFD FFN service loop failed: {err}") from err
 
-    def _record(self, err: BaseException) -> None:
-        with self._error_lock:
-            if self._error is None:
-                self._error = err
-        if self._store is not None:
-            with contextlib.suppress(Exception):
-                self._store.set(error_key(self.ffn_rank), f"{type(err).__name__}: {err}")
-
     # ------------------------------------------------------------------ serving
-    def _connect(self, attention_rank: int, previous: str | None) -> PairChannel | None:
-        """Join the next Attention session (one whose id differs from ``previous``).
-
-        Waiting for an Attention deployment to appear is unbounded (retried every
-        :data:`CONNECT_RETRY_S` seconds until stopped); a deployment that vanishes mid-handshake
-        is skipped; a config disagreement is fatal. Returns ``None`` when stopped.
-        """
-        while not self._stop.is_set():
-            if not _port_open(self.spec.host, self.spec.port):
-                time.sleep(CONNECT_RETRY_S / 4)
-                continue
-            try:
-                store = open_store(self.spec, is_master=False, timeout_s=CONNECT_RETRY_S)
-                session = read_session(store, CONNECT_RETRY_S)
-            except AFDTransportError:
-                continue
-            if session == previous:
-                time.sleep(CONNECT_RETRY_S / 10)
-                continue
-            self._store = store
-            try:
-                check_agreement(
-                    store,
-                    self.spec,
-                    session,
-                    me=f"ffn{self.ffn_rank}",
-                    peer=f"attention{attention_rank}",
-                )
-                return PairChannel(
-                    store,
-                    session,
-                    attention_rank=attention_rank,
-                    ffn_rank=self.ffn_rank,
-                    is_attention=False,
-                    timeout_s=self.spec.timeout_s,
-                    startup_timeout_s=self.spec.startup_timeout_s,
-                )
-            except AFDAgreementError:
-                raise
-            except Exception as exc:
-                logger.warning(
-                    "AFD handshake with attention rank %d failed: %s", attention_rank, exc
-                )
-                previous = session
-        return None
-
-    def _thread_main(self, attention_rank: int) -> None:
-        session: str | None = None
+    def _main(self) -> None:
         try:
             while not self._stop.is_set():
-                ch = self._connect(attention_rank, session)
-                if ch is None:
+                connector = self._connect()
+                if connector is None:
                     return
-                session = ch.session
-                logger.info(
-                    "AFD FFN rank %d serving attention rank %d (session %s)",
-                    self.ffn_rank,
-                    attention_rank,
-                    session,
-                )
-                while not self._stop.is_set() and self._serve_one_step(ch):
-                    pass
-                ch.close()
-                logger.info("AFD attention rank %d said goodbye", attention_rank)
+                try:
+                    self._serve(connector)
+                finally:
+                    connector.close()
+                    self._connector = None
+                    self._print_stats(force=True)
         except BaseException as exc:
-            if self._stop.is_set():
-                return
-            logger.error("AFD FFN service for attention rank %d failed: %s", attention_rank, exc)
-            self._record(exc)
+            if not self._stop.is_set():
+                logger.error("AFD FFN rank %d service failed: %s", self.ffn_rank, exc)
+                self._error = exc
+        finally:
+            self._done.set()
 
-    def _serve_one_step(self, ch: PairChannel) -> bool:
-        ctrl = ch.recv_header_idle(4, "control")
-        kind, num_tokens = ctrl[1], ctrl[2]
-        if kind == KIND_GOODBYE:
-            return False
-        if kind != KIND_FORWARD:
-            raise AFDTransportError(f"AFD protocol error: unknown control kind {kind}")
-        for expected in self.layer_indices:
-            hdr = ch.recv_header(6, f"layer {expected} header")
-            layer, n, hdt, ldim, ldt = hdr[1:]
-            if layer != expected or n != num_tokens:
-                raise AFDTransportError(
-                    f"AFD protocol error: got layer={layer} tokens={n}, expected layer={expected} "
-                    f"tokens={num_tokens}"
-                )
-            hidden = ch.recv((n, self.hidden_size), dtype_from_code(hdt), f"layer {layer} hidden")
-            logits = (
-                ch.recv((n, ldim), dtype_from_code(ldt), f"layer {layer} router logits")
-                if ldim > 0
-                else None
-            )
+    def _connect(self) -> AFDConnectorBase | None:
+        """Initialise a connector with the next Attention deployment; ``None`` when stopped.
+
+        Waiting is unbounded (an FFN may start first or outlive its Attention deployment);
+        a disagreement is fatal."""
+        while not self._stop.is_set():
+            connector = self._factory()
+            self._idle.set()
             try:
-                with self._lock:
-                    out = self.compute(layer, hidden, logits)
-            except Exception as exc:
-                self._record(exc)
-                ch.send(header(STATUS_ERROR, layer, n), f"layer {layer} error reply")
+                connector.init()
+            except AFDHandshakeError:
                 raise
-            ch.send(header(STATUS_OK, layer, n), f"layer {layer} reply header")
-            ch.send(out, f"layer {layer} output")
-        self.steps_served += 1
-        return True
+            except (AFDTimeoutError, AFDPeerError) as exc:
+                connector.close()
+                logger.info("AFD FFN rank %d waiting for Attention: %s", self.ffn_rank, exc)
+                self._stop.wait(CONNECT_RETRY_S)
+                continue
+            finally:
+                self._idle.clear()
+            self._connector = connector
+            self.deployments += 1
+            logger.info(
+                "AFD FFN rank %d serving %d Attention rank(s) through connector %r",
+                self.ffn_rank,
+                self.num_peers,
+                connector.name,
+            )
+            return connector
+        return None
+
+    def _serve(self, connector: AFDConnectorBase) -> None:
+        """Serve steps until the deployment says goodbye or is lost (returns), or a fatal
+        error (raises)."""
+        while not self._stop.is_set():
+            self._idle.set()
+            try:
+                msg = connector.recv_control(timeout_s=float("inf"))
+            except AFDProtocolError:
+                raise
+            except (AFDPeerError, AFDTimeoutError) as exc:
+                logger.warning("AFD FFN rank %d lost its Attention peers: %s", self.ffn_rank, exc)
+                return
+            finally:
+                self._idle.clear()
+            if msg.shutdown:
+                logger.info("AFD FFN rank %d: the Attention deployment said goodbye", self.ffn_rank)
+                return
+            try:
+                self._serve_step(connector, msg)
+            except AFDProtocolError:
+                raise
+            except (AFDPeerError, AFDTimeoutError) as exc:
+                logger.warning("AFD FFN rank %d lost a peer mid-step: %s", self.ffn_rank, exc)
+                return
+            self.stats.steps += 1
+            self._print_stats()
+
+    def _serve_step(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
+        stats = self.stats
+        for layer in self.layer_indices:
+            for stage in range(msg.num_stages):
+                meta = msg.transfer_metadata(layer, stage)
+                payloads = connector.recv_attn_output(meta)
+                total = sum(meta.num_tokens)
+                if total:
+                    hidden, logits = batch_payloads(payloads)
+                    try:
+                        out = self.compute(layer, hidden, logits)
+                    except Exception as exc:
+                        connector.abort(
+                            f"ffn compute (layer {layer})", f"{type(exc).__name__}: {exc}"
+                        )
+                        raise
+                    stats.compute_calls += 1
+                    stats.tokens += total
+                else:
+                    out = batch_payloads(payloads)[0]  # zero rows for every peer
+                connector.send_ffn_output(out, meta)
+
+    def _print_stats(self, force: bool = False) -> None:
+        s = self.stats
+        now = time.monotonic()
+        current = (s.steps, s.compute_calls, s.tokens)
+        if current == self._printed or (not force and now - self._printed_at < STATS_INTERVAL_S):
+            return
+        self._printed, self._printed_at = current, now
+        line = STATS_FORMAT.format(
+            rank=self.ffn_rank,
+            steps=s.steps,
+            calls=s.compute_calls,
+            tokens=s.tokens,
+            peers=self.num_peers,
+        )
+        print(line, flush=True)

@@ -7,10 +7,13 @@
    :data:`AFD_SHUTDOWN_TIMEOUT_S` so SIGTERM stops workers gracefully instead of force-killing
    them. Without AFD config: unchanged.
 2. ``EngineCoreProc.run_busy_loop``: for the FFN role, run :func:`ffn_busy_loop` instead of the
-   scheduler loop. It serves only client control requests (health, utility calls, shutdown),
-   polls the workers' service loop every :data:`FFN_POLL_S` seconds and raises its error (the
-   engine then reports itself dead and the process exits non-zero); on SIGTERM it stops the loop
-   and exits with ``SystemExit`` (status 0). Other roles / no AFD: upstream loop.
+   scheduler loop. It serves only client control requests (utility calls, shutdown) between
+   bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
+   sleeping on the service, not spinning in vLLM's RPC reader) and raises the service's error
+   (the engine then reports itself dead and the process exits non-zero); on SIGTERM it stops the
+   loop and exits with ``SystemExit`` (status 0). The FFN engine's RPC response readers stop
+   busy-spinning (:func:`quiet_rpc_readers`): they wait seconds per RPC by design. Other roles /
+   no AFD: upstream loop.
 
 3. :func:`construction_override`: a scoped replacement of one attribute of a vLLM model module
    while an AFD model is being constructed (e.g. the sparse-MoE block class a decoder layer
@@ -24,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import queue
 import threading
 import types
 from collections.abc import Iterator
@@ -38,7 +40,10 @@ from afd_runtime.workers import afd_worker_qualname
 
 logger = logging.getLogger(__name__)
 
-FFN_POLL_S: Final[float] = 0.5
+#: How long one ``afd_ffn_wait`` RPC blocks in the FFN workers (bounds the reaction to SIGTERM
+#: and to client requests). Above vLLM's shm reader spin window (1 s), so the worker reads the
+#: next RPC asleep, not spinning.
+FFN_WAIT_S: Final[float] = 2.0
 #: Default ``shutdown_timeout`` (seconds) for AFD roles when vLLM's default (0) is in effect.
 AFD_SHUTDOWN_TIMEOUT_S: Final[int] = 10
 _MARK: Final[str] = "_afd_patched"
@@ -70,28 +75,40 @@ def _is_ffn(engine_core: Any) -> bool:
     return cfg is not None and cfg.role is AFDRole.FFN
 
 
+def quiet_rpc_readers(executor: Any) -> int:
+    """Make the engine's worker-response readers sleep instead of spin while they wait.
+
+    vLLM's shm ``MessageQueue`` reader busy-spins (``sched_yield``) for ``busy_loop_s`` (1 s)
+    after each read; the FFN engine waits seconds per RPC (:data:`FFN_WAIT_S`), so it would spin
+    a core's worth of time beside the two roles. Sets ``busy_loop_s = 0`` on each response
+    queue's reader condition; returns how many it changed (0 when this vLLM lays them out
+    otherwise, which only costs CPU). Idempotent."""
+    changed = 0
+    for mq in getattr(executor, "response_mqs", None) or ():
+        cond = getattr(mq, "_spin_condition", None)
+        if cond is not None and getattr(cond, "is_reader", False) and hasattr(cond, "busy_loop_s"):
+            cond.busy_loop_s = 0
+            changed += 1
+    return changed
+
+
 def ffn_busy_loop(engine_core: Any) -> None:
-    """The FFN engine's loop: control requests only, plus service-loop health polling."""
+    """The FFN engine's loop: client control requests between waits on the service loop."""
     from vllm.v1.engine import EngineCoreRequestType
 
+    if not quiet_rpc_readers(engine_core.model_executor):
+        logger.warning("AFD FFN engine: vLLM's RPC readers not found; they keep spinning")
     engine_core.collective_rpc("afd_ffn_start")
-    try:
-        while engine_core.is_running():
-            try:
-                req_type, req = engine_core.input_queue.get(timeout=FFN_POLL_S)
-            except queue.Empty:
-                pass
+    while engine_core.is_running():
+        engine_core.collective_rpc("afd_ffn_wait", args=(FFN_WAIT_S,))
+        while not engine_core.input_queue.empty():
+            req_type, req = engine_core.input_queue.get_nowait()
+            if req_type == EngineCoreRequestType.ADD:
+                logger.warning("AFD FFN role ignores generation requests; send them to Attention")
             else:
-                if req_type == EngineCoreRequestType.ADD:
-                    logger.warning(
-                        "AFD FFN role ignores generation requests; send them to Attention"
-                    )
-                else:
-                    engine_core._handle_client_request(req_type, req)
-            engine_core.collective_rpc("afd_ffn_raise_if_failed")
-        logger.info("AFD FFN engine: shutdown requested, stopping the service loop")
-    finally:
-        engine_core.collective_rpc("afd_ffn_stop")
+                engine_core._handle_client_request(req_type, req)
+    logger.info("AFD FFN engine: shutdown requested, stopping the service loop")
+    engine_core.collective_rpc("afd_ffn_stop")
     raise SystemExit
 
 

@@ -1,14 +1,19 @@
 """Role behaviour shared by the AFD workers of every platform (mixed into the platform worker).
 
+Both roles obtain their connector from afd-core's registry (``AFDConfig.connector``, see
+:func:`afd_runtime.workers.base.build_connector`) and speak only its contract.
+
 ``AFDAttentionWorkerMixin`` keeps vLLM's scheduler, KV cache and sampling untouched; after the
-model is loaded it reports the parameter bytes, connects to its FFN rank and wraps the model's
-``forward`` so that every forward (real, dummy or profiling) is announced to the FFN role and runs
-with the AFD forward metadata installed (afd-core), whose connector is a
-:class:`afd_runtime.pair_connector.PairAttentionConnector`.
+model is loaded it reports the parameter bytes, initialises the connector (waiting up to
+``startup_timeout_s`` for the FFN role) and wraps the model's ``forward`` so that every forward
+(real, dummy or profiling) announces its token count (``send_control``) and runs with the AFD
+forward metadata installed (afd-core); the model's MoE layers then call afd-remote's proxy,
+which sends and receives through that connector. On shutdown it says goodbye (a shutdown
+control message) and closes the connector.
 
 ``AFDFFNWorkerMixin`` declares no KV cache (vLLM then skips memory profiling and allocates no
 blocks), never runs scheduler-driven steps, and runs :class:`afd_runtime.ffn_service.FFNService`
-instead. The engine polls :meth:`AFDFFNWorkerMixin.afd_ffn_raise_if_failed` (see
+instead. The engine waits on :meth:`AFDFFNWorkerMixin.afd_ffn_wait` (see
 :mod:`afd_runtime.patches`), so a loop failure stops the engine with a non-zero exit.
 
 Invariants: each mixin must precede the vLLM worker class in the MRO; ``shutdown`` is safe to
@@ -17,6 +22,7 @@ call more than once.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator
@@ -25,13 +31,12 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector import AFDConnectorBase, create_connector
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
-from afd_core.metadata import AFDPayloadSpec
+from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 
-from afd_runtime.attention_client import AttentionClient
 from afd_runtime.compute import AFDFFNModel, select_ffn_compute
 from afd_runtime.ffn_service import FFNService
-from afd_runtime.pair_connector import PairAttentionConnector
 from afd_runtime.roles import report_param_bytes, require_afd_config, role_rank
 
 logger = logging.getLogger(__name__)
@@ -71,34 +76,65 @@ def _num_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
     return int(positions.shape[-1])
 
 
-def install_step_hook(model: torch.nn.Module, connector: PairAttentionConnector) -> None:
+def build_connector(
+    cfg: AFDConfig,
+    rank: int,
+    payload_spec: AFDPayloadSpec,
+    layers: tuple[int, ...],
+    device: torch.device | str | None,
+) -> AFDConnectorBase:
+    """The connector ``cfg.connector`` for this role rank (constructed, not initialised).
+
+    ``num_layers`` is ``max(layers) + 1``: the connector's layer index is the decoder layer
+    index, which both roles derive from the same checkpoint config."""
+    return create_connector(
+        cfg, rank, payload_spec=payload_spec, num_layers=max(layers) + 1, device=device
+    )
+
+
+def _worker_device(worker: Any) -> torch.device | str:
+    device = getattr(worker, "device", None)
+    return device if isinstance(device, torch.device | str) else "cpu"
+
+
+def install_step_hook(model: torch.nn.Module, connector: AFDConnectorBase) -> None:
     """Wrap ``model.forward``: announce the step, install the AFD forward metadata, run.
 
-    Every call runs inside ``connector.client.step(num_tokens)`` and
-    ``set_afd_forward_metadata(AFDForwardMetadata(connector, num_tokens=(n,)))``. Idempotent: a
-    model wrapped once is not wrapped again.
+    Every call sends ``AFDControlMessage(((n,),))`` (when the connector has a control plane)
+    and runs inside ``set_afd_forward_metadata(AFDForwardMetadata(connector, num_tokens=(n,)))``.
+    Idempotent: a model wrapped once is not wrapped again.
     """
     if getattr(model, "_afd_step_hook", False):
         return
     inner: Callable[..., Any] = model.forward
+    announce = connector.has_control_plane
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         n = _num_tokens(args, kwargs)
-        meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
-        with connector.client.step(n), set_afd_forward_metadata(meta):
+        if announce:
+            connector.send_control(AFDControlMessage(((n,),)))
+        with set_afd_forward_metadata(AFDForwardMetadata(connector=connector, num_tokens=(n,))):
             return inner(*args, **kwargs)
 
     model.forward = forward
     model._afd_step_hook = True  # type: ignore[assignment]
 
 
+def say_goodbye(connector: AFDConnectorBase) -> None:
+    """Tell the FFN role this Attention rank leaves (best effort), then close the connector."""
+    if connector.is_initialized and connector.has_control_plane:
+        with contextlib.suppress(Exception):
+            connector.send_control(AFDControlMessage.shutdown_message())
+    connector.close()
+
+
 class AFDAttentionWorkerMixin:
-    """Attention role: upstream worker + AFD client around every model forward."""
+    """Attention role: upstream worker + the AFD connector around every model forward."""
 
     vllm_config: Any
     model_runner: Any
-    _afd_connector: PairAttentionConnector | None = None
+    _afd_connector: AFDConnectorBase | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = require_afd_config(self.vllm_config, AFDRole.ATTENTION)
@@ -114,17 +150,16 @@ class AFDAttentionWorkerMixin:
                 "Attention model (afd_payload_spec, afd_moe_layer_indices); is the afd-models "
                 "plugin installed?"
             )
-        connector = PairAttentionConnector(
-            AttentionClient(cfg, rank), payload_spec=spec, num_layers=max(layers) + 1
-        )
+        connector = build_connector(cfg, rank, spec, tuple(layers), _worker_device(self))
         connector.init()
         self._afd_connector = connector
         install_step_hook(model, connector)
+        logger.info("AFD Attention rank %d connected through connector %r", rank, connector.name)
 
     def shutdown(self) -> None:
         connector, self._afd_connector = self._afd_connector, None
         if connector is not None:
-            connector.close()
+            say_goodbye(connector)
         super().shutdown()  # type: ignore[misc]
 
 
@@ -154,9 +189,13 @@ class AFDFFNWorkerMixin:
                 "is the afd-models plugin installed?"
             )
         compute = select_ffn_compute(cfg, model, self._afd_step_context)
-        hidden = int(self.vllm_config.model_config.get_hidden_size())
+        layers = tuple(model.afd_moe_layer_indices)
+        spec = model.afd_payload_spec
+        device = _worker_device(self)
         self._afd_config = cfg
-        self._afd_service = FFNService(cfg, rank, model.afd_moe_layer_indices, hidden, compute)
+        self._afd_service = FFNService(
+            cfg, rank, layers, compute, lambda: build_connector(cfg, rank, spec, layers, device)
+        )
 
     def _afd_step_context(self, num_tokens: int) -> AbstractContextManager[object]:
         return _vllm_forward_context(self.vllm_config, num_tokens)
@@ -184,10 +223,17 @@ class AFDFFNWorkerMixin:
             raise RuntimeError("AFD FFN service not built: load_model() has not run")
         self._afd_service.start()
 
-    def afd_ffn_raise_if_failed(self) -> None:
-        """Raise the stored service error, if any."""
-        if self._afd_service is not None:
-            self._afd_service.raise_if_failed()
+    def afd_ffn_wait(self, timeout_s: float) -> bool:
+        """Block this worker's main thread up to ``timeout_s`` on the service.
+
+        Returns True while the service runs; raises its error once it failed. The main thread
+        sleeps here instead of spinning in vLLM's RPC reader beside the service thread."""
+        service = self._afd_service
+        if service is None:
+            raise RuntimeError("AFD FFN service not built: load_model() has not run")
+        service.wait(timeout_s)
+        service.raise_if_failed()
+        return True
 
     def afd_ffn_stop(self) -> None:
         """Stop the service (idempotent)."""

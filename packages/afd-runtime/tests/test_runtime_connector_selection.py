@@ -1,0 +1,178 @@
+"""Serving obtains its connector from afd-core's registry by ``AFDConfig.connector``.
+
+A connector registered under a test name is selected by both roles' code paths: the Attention
+worker's step hook announces every forward through it and installs it for the model's MoE layers;
+the FFN service receives, batches and replies through it.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pytest
+import torch
+from afd_core.config import AFDConfig
+from afd_core.connector import (
+    AFDConnectorBase,
+    AFDTransferHandle,
+    register_connector,
+    unregister_connector,
+)
+from afd_core.forward_context import get_afd_forward_metadata
+from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
+from afd_runtime.ffn_service import FFNService
+from afd_runtime.workers.base import build_connector, install_step_hook, say_goodbye
+
+NAME = "test-recording"
+HIDDEN = 4
+SPEC = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32)
+
+
+class RecordingConnector(AFDConnectorBase):
+    """In-process connector: records every call; the FFN side replays a scripted step list."""
+
+    name = NAME
+    has_control_plane = True
+    built: list[RecordingConnector] = []
+    script: list[AFDControlMessage] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.calls: list[tuple[Any, ...]] = []
+        self.ready = False
+        self.released = threading.Event()
+        RecordingConnector.built.append(self)
+
+    def init(self) -> None:
+        if len(RecordingConnector.built) > 1:  # a second deployment never comes
+            self.released.wait(30)
+        self.ready = True
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+        self.ready = False
+
+    @property
+    def is_initialized(self) -> bool:
+        return self.ready
+
+    def send_control(self, message: AFDControlMessage) -> None:
+        self.calls.append(("send_control", message))
+
+    def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
+        return RecordingConnector.script.pop(0)
+
+    def send_attn_output(
+        self, payload: AFDPayload, metadata: AFDTransferMetadata
+    ) -> AFDTransferHandle:
+        self.calls.append(("send_attn_output", metadata))
+        return AFDTransferHandle(metadata, payload.hidden_states * 2, id(self))
+
+    def recv_ffn_output(
+        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        handle.consume()
+        return handle.state
+
+    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
+        self.calls.append(("recv_attn_output", metadata))
+        return [
+            AFDPayload(torch.full((n, HIDDEN), 10.0 * peer + metadata.layer_idx))
+            for peer, n in enumerate(metadata.num_tokens)
+        ]
+
+    def send_ffn_output(
+        self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
+    ) -> None:
+        self.calls.append(("send_ffn_output", metadata, outputs))
+
+
+@pytest.fixture
+def recording() -> Iterator[type[RecordingConnector]]:
+    register_connector(NAME, RecordingConnector)
+    RecordingConnector.built = []
+    try:
+        yield RecordingConnector
+    finally:
+        unregister_connector(NAME)
+
+
+def test_attention_forward_announces_and_installs_the_selected_connector(
+    recording: type[RecordingConnector],
+) -> None:
+    cfg = AFDConfig.from_mapping({"role": "attention", "connector": NAME})
+    connector = build_connector(cfg, 0, SPEC, (1, 3), "cpu")
+    assert type(connector) is recording and connector.num_layers == 4
+    connector.init()
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+            meta = get_afd_forward_metadata()
+            assert meta.connector is connector and meta.num_tokens == (input_ids.shape[0],)
+            h = torch.ones(input_ids.shape[0], HIDDEN)
+            md = AFDTransferMetadata(1, 0, (input_ids.shape[0],))
+            return meta.connector.recv_ffn_output(
+                meta.connector.send_attn_output(AFDPayload(h), md)
+            )
+
+    model = Model()
+    install_step_hook(model, connector)
+    install_step_hook(model, connector)  # idempotent: one announcement per forward
+    out = model(torch.zeros(3, dtype=torch.long), torch.arange(3))
+    assert torch.equal(out, torch.full((3, HIDDEN), 2.0))
+    assert [c[0] for c in connector.calls] == ["send_control", "send_attn_output"]
+    assert connector.calls[0][1] == AFDControlMessage(((3,),))
+    say_goodbye(connector)
+    assert connector.calls[-2:] == [
+        ("send_control", AFDControlMessage.shutdown_message()),
+        ("close",),
+    ]
+
+
+def test_ffn_service_batches_its_peers_through_the_selected_connector(
+    recording: type[RecordingConnector],
+) -> None:
+    cfg = AFDConfig.from_mapping({"role": "ffn", "connector": NAME, "num_attention_ranks": 2})
+    recording.script = [
+        AFDControlMessage(((2, 3),)),
+        AFDControlMessage(((0, 0),)),  # both peers empty: nothing to compute
+        AFDControlMessage(((1, 0),)),
+        AFDControlMessage.shutdown_message(),
+    ]
+    computed: list[tuple[int, torch.Tensor]] = []
+
+    def compute(layer: int, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        computed.append((layer, hidden.clone()))
+        return hidden + 1
+
+    svc = FFNService(cfg, 0, (1, 3), compute, lambda: build_connector(cfg, 0, SPEC, (1, 3), "cpu"))
+    svc.start()
+    try:
+        deadline = threading.Event()
+        for _ in range(300):
+            if len(recording.built) == 2:
+                break
+            deadline.wait(0.01)
+        assert len(recording.built) == 2, "the service did not wait for a next deployment"
+    finally:
+        svc.stop()
+        recording.built[-1].released.set()
+    first = recording.built[0]
+    assert first.calls[-1] == ("close",)
+    # One compute per (step, layer) over both peers, rows concatenated in peer order.
+    assert [(layer, tuple(h.shape)) for layer, h in computed] == [
+        (1, (5, HIDDEN)),
+        (3, (5, HIDDEN)),
+        (1, (1, HIDDEN)),
+        (3, (1, HIDDEN)),
+    ]
+    assert torch.equal(computed[0][1][:2], torch.full((2, HIDDEN), 1.0))
+    assert torch.equal(computed[0][1][2:], torch.full((3, HIDDEN), 11.0))
+    sent = [c for c in first.calls if c[0] == "send_ffn_output"]
+    assert [c[1].num_tokens for c in sent] == [(2, 3), (2, 3), (0, 0), (0, 0), (1, 0), (1, 0)]
+    assert torch.equal(sent[0][2], computed[0][1] + 1)
+    assert tuple(sent[2][2].shape) == (0, HIDDEN)
+    assert (svc.stats.steps, svc.stats.compute_calls, svc.stats.tokens) == (3, 4, 12)
+    assert not svc.failed
