@@ -81,12 +81,14 @@ def ffn_reply(payload: AFDPayload, layer: int) -> torch.Tensor:
 
 
 def _config(rank_role: AFDRole, port: int, a: int, f: int, **kw: Any) -> AFDConfig:
+    timeout_s = kw.pop("timeout_s", 20.0)
     return AFDConfig(
         role=rank_role,
         port=port,
         num_attention_ranks=a,
         num_ffn_ranks=f,
-        timeout_s=kw.pop("timeout_s", 20.0),
+        timeout_s=timeout_s,
+        startup_timeout_s=kw.pop("startup_timeout_s", timeout_s),
         **kw,
     )
 

@@ -197,7 +197,7 @@ def test_uninitialized_and_wrong_role_raise_before_io() -> None:
 @pytest.mark.timeout(60)
 def test_init_times_out_without_peers_and_close_is_safe() -> None:
     port = free_port()
-    cfg = AFDConfig(role=AFDRole.ATTENTION, port=port, timeout_s=0.5)
+    cfg = AFDConfig(role=AFDRole.ATTENTION, port=port, timeout_s=0.5, startup_timeout_s=0.5)
     conn = P2PConnector(cfg, payload_spec=spec(), num_layers=1)
     with pytest.raises(AFDTimeoutError, match="handshake"):
         conn.init()
@@ -212,7 +212,7 @@ def test_init_times_out_without_peers_and_close_is_safe() -> None:
 
 @pytest.mark.timeout(60)
 def test_client_without_store_server_times_out_in_connect() -> None:
-    cfg = AFDConfig(role=AFDRole.FFN, port=free_port(), timeout_s=0.5)
+    cfg = AFDConfig(role=AFDRole.FFN, port=free_port(), timeout_s=30.0, startup_timeout_s=0.5)
     conn = P2PConnector(cfg, payload_spec=spec(), num_layers=1)
     with pytest.raises(AFDTimeoutError, match="'connect'"):
         conn.init()

@@ -15,17 +15,14 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("requests")
 
-from afd_models.serving import (
+from afd_models.demo.client import (
     CompletionError,
     CompletionTimeoutError,
-    EngineOptions,
-    afd_servers,
     complete,
     served_model_id,
-    stop_all,
-    wait_until_healthy,
 )
-from afd_models.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+from afd_models.demo.servers import EngineOptions, afd_servers, stop_all, wait_until_healthy
+from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm_runtime, pytest.mark.slow]
 

@@ -23,19 +23,18 @@ import pytest
 pytest.importorskip("vllm")
 pytest.importorskip("requests")
 
-from afd_models.serving import (
-    BatchResult,
+from afd_models.demo.client import BatchResult, complete_many
+from afd_models.demo.parity import compare_parity
+from afd_models.demo.servers import (
     EngineOptions,
     VLLMServer,
     afd_servers,
-    compare_parity,
-    complete_many,
     parity_options,
     plain_server,
     stop_all,
     wait_until_healthy,
 )
-from afd_models.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm_runtime, pytest.mark.slow]
 
@@ -171,7 +170,7 @@ def test_sequential_greedy_outputs_match_plain_vllm(
 
 @pytest.mark.timeout(1800)
 def test_roles_report_their_own_weights_and_stay_up(deployment: Deployment) -> None:
-    from afd_models.serving import parse_param_bytes
+    from afd_models.demo.servers import parse_param_bytes
 
     deployment.attention.check_alive()
     deployment.ffn.check_alive()
@@ -179,3 +178,29 @@ def test_roles_report_their_own_weights_and_stay_up(deployment: Deployment) -> N
     ffn = parse_param_bytes(deployment.ffn.log_text()).get("ffn")
     assert att is not None and len(att) == deployment.case.num_attention_ranks
     assert ffn is not None and len(ffn) == 1
+
+
+#: SIGTERM must stop a role (its whole process session) within this many seconds.
+STOP_BOUND_S = 30.0
+
+
+@pytest.mark.timeout(1800)
+def test_sigterm_stops_both_roles_and_the_ffn_batched_its_peers(deployment: Deployment) -> None:
+    """Last test of each deployment: stop it. Both roles exit 0 within the bound without SIGKILL
+    (the 2-rank Qwen3 case stops the FFN first, the others the Attention role first), and the
+    FFN computed once per MoE layer per step over all of its Attention ranks."""
+    from afd_models.demo.servers import parse_ffn_stats
+
+    case = deployment.case
+    ffn_first = case.family == "qwen3_moe" and case.num_attention_ranks == 2
+    order = [deployment.ffn, deployment.attention]
+    results = stop_all(order if ffn_first else order[::-1], timeout_s=2 * STOP_BOUND_S)
+    for r in results:
+        assert r.exit_code == 0 and not r.forced, r
+        assert r.elapsed_s <= STOP_BOUND_S, r
+    stats = parse_ffn_stats(deployment.ffn.log_text())
+    assert set(stats) == {0}
+    s = stats[0]
+    assert s.peers == case.num_attention_ranks
+    assert s.steps > 0
+    assert s.compute_calls == s.steps * s.layers, s

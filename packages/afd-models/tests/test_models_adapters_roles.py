@@ -27,7 +27,7 @@ pytest.importorskip("vllm")
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnectorBase, AFDTransferHandle
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
-from afd_models.tiny import TinySpec, ensure_tiny_checkpoint
+from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 from afd_runtime.roles import model_param_bytes
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(600)]

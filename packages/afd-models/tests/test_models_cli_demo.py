@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from afd_models import cli
-from afd_models.demo import DemoConfig, DemoReport, ServerStats, render_report
-from afd_models.serving import Completion, ServerExitedError, compare_parity
-from afd_models.tiny import DEMO_PROMPTS
+from afd_models.demo import run
+from afd_models.demo.client import Completion
+from afd_models.demo.parity import compare_parity
+from afd_models.demo.run import DemoConfig, DemoReport, ServerStats, render_report
+from afd_models.demo.servers import ServerExitedError
+from afd_models.demo.tiny import DEMO_PROMPTS
 
 
 def test_demo_defaults_are_the_tiny_qwen_model() -> None:
@@ -123,12 +128,44 @@ def test_demo_exit_codes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Non
     def failing(cfg: DemoConfig, progress: object) -> DemoReport:
         raise ServerExitedError("afd-ffn", 1, tmp_path / "x.log", "boom")
 
-    monkeypatch.setattr(cli, "run_demo", failing)
+    monkeypatch.setattr(cli, "missing_demo_modules", lambda command: [])
+    monkeypatch.setattr(run, "run_demo", failing)
     assert cli.main(["demo"]) == cli.EXIT_SERVER_ERROR
-    monkeypatch.setattr(cli, "run_demo", lambda cfg, progress: _report((3, 9)))
+    monkeypatch.setattr(run, "run_demo", lambda cfg, progress: _report((3, 9)))
     assert cli.main(["demo"]) == cli.EXIT_MISMATCH
-    monkeypatch.setattr(cli, "run_demo", lambda cfg, progress: _report((3, 4)))
+    monkeypatch.setattr(run, "run_demo", lambda cfg, progress: _report((3, 4)))
     assert cli.main(["demo"]) == cli.EXIT_OK
+
+
+@pytest.mark.parametrize("command", ["demo", "tiny"])
+def test_demo_commands_name_the_missing_demo_extra(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setitem(cli.DEMO_EXTRA_MODULES, command, ("psutil", "afd_no_such_module"))
+    monkeypatch.setattr(run, "run_demo", lambda cfg, progress: pytest.fail("demo ran"))
+    assert cli.main([command]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "afd_no_such_module" in err and "psutil" not in err
+    assert "afd-models[demo]" in err
+
+
+def test_serve_imports_neither_the_demo_subpackage_nor_the_demo_extra() -> None:
+    """`afd serve` (and the harness's `python -m afd_models.cli serve`) on a plain install."""
+    code = (
+        "import sys\n"
+        "import afd_models.vllm_cli as v\n"
+        "v.run_vllm_cli = lambda argv: print('served', list(argv))\n"
+        "from afd_models import cli\n"
+        "assert cli.main(['serve', '/m', '--port', '1']) == cli.EXIT_OK\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "{'psutil', 'requests', 'tokenizers', 'safetensors'} or m.startswith('afd_models.demo'))\n"
+        "assert not bad, bad\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert "served ['serve', '/m', '--port', '1']" in out.stdout
 
 
 def test_tiny_subcommand_prints_cached_path(

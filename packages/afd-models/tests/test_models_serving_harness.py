@@ -13,9 +13,9 @@ import pytest
 psutil = pytest.importorskip("psutil")
 pytest.importorskip("requests")
 
-from afd_models.serving import (  # noqa: E402
-    Completion,
-    CompletionError,
+from afd_models.demo.client import Completion, CompletionError, complete, complete_many  # noqa: E402
+from afd_models.demo.parity import compare_parity, first_mismatch  # noqa: E402
+from afd_models.demo.servers import (  # noqa: E402
     EngineOptions,
     ServerConfig,
     ServerExitedError,
@@ -23,10 +23,6 @@ from afd_models.serving import (  # noqa: E402
     VLLMServer,
     afd_role_args,
     afd_servers,
-    compare_parity,
-    complete,
-    complete_many,
-    first_mismatch,
     free_port,
     parity_options,
     parse_param_bytes,
@@ -155,7 +151,7 @@ def test_afd_servers_share_one_afd_port_and_engine_options(tmp_path: Path) -> No
     assert att.config.port != ffn.config.port
     for s in (att, ffn):
         argv = list(s.config.argv)
-        assert argv[1:5] == ["-m", "afd_models.serving", "serve", "/m"]
+        assert argv[1:5] == ["-m", "afd_models.cli", "serve", "/m"]
         assert argv[argv.index("--dtype") + 1] == "float32"
         assert "--enforce-eager" in argv
         assert argv[argv.index("--max-model-len") + 1] == "256"
@@ -316,16 +312,16 @@ def test_parity_options_pick_the_reference_cpu_mla_backend_on_vllm_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """AMX MLA (vLLM's choice on CPUs with AMX tiles) rejects float32 weights."""
-    from afd_models import serving
+    from afd_models.demo import servers
 
     ds = tmp_path / "ds"
     ds.mkdir()
     (ds / "config.json").write_text(json.dumps({"model_type": "deepseek_v2"}))
     opts = EngineOptions()
-    monkeypatch.setattr(serving, "_vllm_cpu_build", lambda: True)
+    monkeypatch.setattr(servers, "_vllm_cpu_build", lambda: True)
     args = parity_options(ds, opts).args()
     assert args[args.index("--attention-backend") + 1] == "CPU_MLA"
     mine = EngineOptions(extra_args=("--attention-backend", "TRITON_MLA"))
     assert parity_options(ds, mine).extra_args == ("--attention-backend", "TRITON_MLA")
-    monkeypatch.setattr(serving, "_vllm_cpu_build", lambda: False)
+    monkeypatch.setattr(servers, "_vllm_cpu_build", lambda: False)
     assert "--attention-backend" not in parity_options(ds, opts).args()

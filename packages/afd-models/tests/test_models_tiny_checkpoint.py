@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
-from afd_models.tiny import (
+from afd_models.demo.tiny import (
     DEMO_PROMPTS,
     TinySpec,
     checkpoint_digest,

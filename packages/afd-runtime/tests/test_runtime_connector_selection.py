@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -35,8 +35,8 @@ class RecordingConnector(AFDConnectorBase):
 
     name = NAME
     has_control_plane = True
-    built: list[RecordingConnector] = []
-    script: list[AFDControlMessage] = []
+    built: ClassVar[list[RecordingConnector]] = []
+    script: ClassVar[list[AFDControlMessage]] = []
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

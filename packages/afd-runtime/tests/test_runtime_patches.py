@@ -1,9 +1,8 @@
-"""Worker selection, the version guard, construction overrides and patch idempotence."""
+"""Worker selection, the version guard and patch idempotence."""
 
 from __future__ import annotations
 
 import re
-import types
 from types import SimpleNamespace
 from typing import Any
 
@@ -78,22 +77,6 @@ def test_select_afd_worker_per_role() -> None:
 def test_select_afd_worker_rejects_class_objects() -> None:
     with pytest.raises(ValueError, match="worker_cls"):
         patches.select_afd_worker(_vllm_config({"role": "ffn", "port": 1}, worker=object))
-
-
-def test_construction_override_is_scoped() -> None:
-    mod = types.ModuleType("fake_vllm_models")
-    mod.Block = "upstream"  # type: ignore[attr-defined]
-    with patches.construction_override(mod, "Block", "afd"):
-        assert mod.Block == "afd"  # type: ignore[attr-defined]
-    assert mod.Block == "upstream"  # type: ignore[attr-defined]
-    with pytest.raises(KeyError), patches.construction_override(mod, "Block", "afd"):
-        raise KeyError("boom")
-    assert mod.Block == "upstream"  # type: ignore[attr-defined]
-    with (
-        pytest.raises(AttributeError, match=r"fake_vllm_models\.Missing"),
-        patches.construction_override(mod, "Missing", 1),
-    ):
-        pass
 
 
 def test_apply_patches_is_idempotent() -> None:

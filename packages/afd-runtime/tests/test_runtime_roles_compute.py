@@ -9,8 +9,9 @@ import pytest
 import torch
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.errors import AFDConfigError
+from afd_core.metadata import AFDPayloadSpec
 from afd_runtime.compute import NativeFusedMoECompute, ffn_compute_name, select_ffn_compute
-from afd_runtime.roles import param_bytes, require_afd_config, role_rank
+from afd_runtime.roles import model_param_bytes, require_afd_config, role_rank
 
 
 def _vllm_config(afd: dict[str, Any] | None, dp_rank: int = 0, tp: int = 1) -> SimpleNamespace:
@@ -41,17 +42,20 @@ def test_role_rank_is_the_data_parallel_rank() -> None:
         role_rank(_vllm_config(afd, tp=2), cfg)
 
 
-def test_param_bytes_counts_shared_parameters_once_and_no_buffers() -> None:
+def test_model_param_bytes_prefers_the_adapters_measurement() -> None:
     m = torch.nn.Module()
     m.a = torch.nn.Linear(4, 3, bias=False)
-    m.b = torch.nn.Linear(3, 2, bias=True).to(torch.bfloat16)
-    m.tied = m.a  # same parameters under a second name
     m.register_buffer("buf", torch.zeros(5, dtype=torch.int64))
-    assert param_bytes(m) == 4 * 3 * 4 + (3 * 2 + 2) * 2
+    # Without the adapter's number: afd_weights.param_bytes (parameters only).
+    assert model_param_bytes(m) == 4 * 3 * 4
+    # With it (measured before vLLM's post-load repacking): that number, as is.
+    m.afd_param_bytes = 7
+    assert model_param_bytes(m) == 7
 
 
 class _Model:
     afd_moe_layer_indices = (0,)
+    afd_payload_spec = AFDPayloadSpec(hidden_size=2, dtype=torch.float32)
 
     def afd_ffn_forward(
         self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
@@ -81,14 +85,22 @@ def test_native_compute_runs_in_the_step_context() -> None:
 
 
 def test_compute_selection_errors() -> None:
-    def cfg(extra: dict[str, Any]) -> AFDConfig:
-        return AFDConfig.from_mapping({"role": "ffn", "port": 9, "connector_extra_config": extra})
+    def cfg(**kw: Any) -> AFDConfig:
+        return AFDConfig.from_mapping({"role": "ffn", "port": 9, **kw})
 
-    assert ffn_compute_name(cfg({})) == "native"
-    for name in ("layered", "mega", "bogus"):
+    assert ffn_compute_name(cfg()) == "native"
+    assert ffn_compute_name(cfg(ffn_compute="Native")) == "native"
+    for name in ("layered", "mega"):  # valid kinds, not served yet: refused before serving
+        config = cfg(ffn_compute=name)
         with pytest.raises(AFDConfigError) as err:
-            ffn_compute_name(cfg({"ffn_compute": name}))
-        assert err.value.field == "connector_extra_config.ffn_compute"
-        assert err.value.value == name
+            ffn_compute_name(config)
+        assert (err.value.field, err.value.value) == ("ffn_compute", name)
+        assert "not wired into serving yet" in str(err.value)
+        with pytest.raises(AFDConfigError):
+            select_ffn_compute(config, _Model(), _Ctx())
+    with pytest.raises(AFDConfigError) as err:  # unknown kinds: refused when parsing
+        cfg(ffn_compute="bogus")
+    assert (err.value.field, err.value.value) == ("ffn_compute", "bogus")
+    assert "['native', 'layered', 'mega']" in err.value.allowed
     with pytest.raises(TypeError, match="AFDFFNModel"):
-        select_ffn_compute(cfg({}), object(), _Ctx())  # type: ignore[arg-type]
+        select_ffn_compute(cfg(), object(), _Ctx())  # type: ignore[arg-type]

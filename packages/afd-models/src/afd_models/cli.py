@@ -6,27 +6,43 @@ Subcommands:
   token for token and print parity, tokens/s, weight bytes and RSS per role. Exit status 0 when
   every prompt is identical, 1 on any mismatch, 2 on a usage error, 3 when a server fails.
 * ``afd tiny`` — build (or find in the cache) a tiny checkpoint and print its path.
+* ``afd bench`` — steady-state decode TPOT of AFD against plain vLLM on the tiny Qwen3-MoE, and
+  the raw gloo round trip (see :mod:`afd_models.demo.bench`); prints a table, writes JSON.
+* ``afd serve ...`` — ``vllm serve ...`` (see :mod:`afd_models.vllm_cli`).
+
+``demo``, ``bench`` and ``tiny`` use :mod:`afd_models.demo`, imported only when they run: ``afd serve`` needs
+neither that subpackage nor the ``demo`` extra's packages (``python -m afd_models.cli serve ...``
+is how the demo harness starts its servers).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from afd_models.demo import DemoConfig, render_report, run_demo
-from afd_models.serving import CompletionError, EngineOptions, ServerError
-from afd_models.tiny import DEMO_PROMPTS, FAMILIES, TinySpec, ensure_tiny_checkpoint
+if TYPE_CHECKING:
+    from afd_models.demo.run import DemoConfig
 
 EXIT_OK: Final[int] = 0
 EXIT_MISMATCH: Final[int] = 1
 EXIT_USAGE: Final[int] = 2
 EXIT_SERVER_ERROR: Final[int] = 3
 
+#: Packages of afd-models' ``demo`` extra each subcommand needs (a plain install lacks them).
+DEMO_EXTRA_MODULES: Final[dict[str, tuple[str, ...]]] = {
+    "demo": ("psutil", "requests", "tokenizers", "safetensors"),
+    "tiny": ("tokenizers", "safetensors"),
+    "bench": ("psutil", "requests", "tokenizers", "safetensors"),
+}
+
 
 def build_parser() -> argparse.ArgumentParser:
+    from afd_models.demo.tiny import FAMILIES
+
     parser = argparse.ArgumentParser(prog="afd", description="Attention-FFN Disaggregation tools")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -74,6 +90,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     demo.add_argument("--startup-timeout", type=float, default=900.0, help="seconds per engine")
 
+    bench = sub.add_parser(
+        "bench",
+        help="steady-state decode TPOT of AFD vs plain vLLM (tiny Qwen3-MoE)",
+        description="Measure TPOT of plain vLLM and of AFD (1:1 at each batch size, 2:1 at the "
+        "largest) on the tiny Qwen3-MoE, and the raw gloo round trip of a hidden-state message.",
+    )
+    bench.add_argument("--batch-sizes", default="1,4,16", help="comma-separated decode batch sizes")
+    bench.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
+    bench.add_argument("--repeats", type=int, default=3, help="timed batches per row")
+    bench.add_argument("--out", type=Path, default=None, help="JSON result file")
+    bench.add_argument("--log-dir", type=Path, default=Path("afd-bench-logs"))
+    bench.add_argument("--cache-dir", type=Path, default=None, help="tiny checkpoint cache")
+
     tiny = sub.add_parser("tiny", help="build a tiny checkpoint and print its directory")
     tiny.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     tiny.add_argument("--seed", type=int, default=0)
@@ -99,6 +128,10 @@ def demo_config_from_namespace(
     parser: argparse.ArgumentParser, ns: argparse.Namespace
 ) -> DemoConfig:
     """Validate parsed ``demo`` arguments; errors go through ``parser.error`` (exit status 2)."""
+    from afd_models.demo.run import DemoConfig
+    from afd_models.demo.servers import EngineOptions
+    from afd_models.demo.tiny import DEMO_PROMPTS
+
     for flag, value in (
         ("--attention-ranks", ns.attention_ranks),
         ("--max-tokens", ns.max_tokens),
@@ -138,7 +171,16 @@ def demo_config_from_namespace(
     )
 
 
+def missing_demo_modules(command: str) -> list[str]:
+    """The ``demo`` extra's packages that ``afd <command>`` needs and this environment lacks."""
+    return [m for m in DEMO_EXTRA_MODULES.get(command, ()) if importlib.util.find_spec(m) is None]
+
+
 def _demo(cfg: DemoConfig) -> int:
+    from afd_models.demo.client import CompletionError
+    from afd_models.demo.run import render_report, run_demo
+    from afd_models.demo.servers import ServerError
+
     try:
         report = run_demo(cfg, progress=lambda msg: print(msg, flush=True))
     except (ServerError, CompletionError) as e:
@@ -146,6 +188,30 @@ def _demo(cfg: DemoConfig) -> int:
         return EXIT_SERVER_ERROR
     print(render_report(report), flush=True)
     return EXIT_OK if report.ok else EXIT_MISMATCH
+
+
+def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from afd_models.demo.bench import BenchConfig, run_bench
+    from afd_models.demo.servers import ServerError
+
+    try:
+        sizes = tuple(int(b) for b in ns.batch_sizes.split(","))
+        cfg = BenchConfig(
+            batch_sizes=sizes,
+            max_tokens=ns.max_tokens,
+            repeats=ns.repeats,
+            out=ns.out,
+            log_dir=ns.log_dir,
+            cache_dir=ns.cache_dir,
+        )
+    except ValueError as e:
+        parser.error(f"afd bench: {e}")
+    try:
+        run_bench(cfg, progress=lambda msg: print(msg, flush=True))
+    except ServerError as e:
+        print(f"afd bench: server failure: {e}", file=sys.stderr, flush=True)
+        return EXIT_SERVER_ERROR
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -159,8 +225,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK
     parser = build_parser()
     ns = parser.parse_args(args)
+    missing = missing_demo_modules(ns.command)
+    if missing:
+        print(
+            f"afd {ns.command}: needs {', '.join(missing)} from afd-models' `demo` extra "
+            "(included in `cpu` and `cuda`): pip install 'afd-models[demo]'",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_USAGE
     if ns.command == "demo":
         return _demo(demo_config_from_namespace(parser, ns))
+    if ns.command == "bench":
+        return _bench(parser, ns)
+    from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
+
     path = ensure_tiny_checkpoint(TinySpec(family=ns.family, seed=ns.seed), ns.cache_dir)
     print(path)
     return EXIT_OK

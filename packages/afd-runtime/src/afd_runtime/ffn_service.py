@@ -70,7 +70,8 @@ FFN_STOP_JOIN_S = 5.0
 STATS_INTERVAL_S = 2.0
 #: The counters line (printed, not only logged, so log parsers find it without a prefix).
 STATS_FORMAT = (
-    "AFD FFN rank={rank} stats steps={steps} compute_calls={calls} tokens={tokens} peers={peers}"
+    "AFD FFN rank={rank} stats steps={steps} compute_calls={calls} tokens={tokens} "
+    "peers={peers} layers={layers}"
 )
 
 ConnectorFactory = Callable[[], AFDConnectorBase]
@@ -290,5 +291,6 @@ class FFNService:
             calls=s.compute_calls,
             tokens=s.tokens,
             peers=self.num_peers,
+            layers=len(self.layer_indices),
         )
         print(line, flush=True)

@@ -15,10 +15,6 @@
    busy-spinning (:func:`quiet_rpc_readers`): they wait seconds per RPC by design. Other roles /
    no AFD: upstream loop.
 
-3. :func:`construction_override`: a scoped replacement of one attribute of a vLLM model module
-   while an AFD model is being constructed (e.g. the sparse-MoE block class a decoder layer
-   instantiates by name), restored on exit, so adapters need not copy upstream constructors.
-
 Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
 not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
 """
@@ -27,10 +23,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import threading
-import types
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Final
 
 from afd_core.config import AFDRole, parse_afd_config
@@ -152,27 +144,3 @@ def patches_applied() -> bool:
         getattr(EngineArgs.create_engine_config, _MARK, False)
         and getattr(EngineCoreProc.run_busy_loop, _MARK, False)
     )
-
-
-_OVERRIDE_LOCK = threading.RLock()
-
-
-@contextmanager
-def construction_override(module: types.ModuleType, name: str, value: Any) -> Iterator[None]:
-    """Replace ``module.<name>`` with ``value`` for the duration of the block (restored after).
-
-    Only for use while constructing a model; serialised by a process-wide lock. Raises
-    ``AttributeError`` naming the attribute when ``module`` has no such attribute (a vLLM that
-    renamed it), before changing anything.
-    """
-    if not hasattr(module, name):
-        raise AttributeError(
-            f"{module.__name__}.{name} does not exist; this AFD adapter targets vLLM 0.32.x"
-        )
-    with _OVERRIDE_LOCK:
-        original = getattr(module, name)
-        setattr(module, name, value)
-        try:
-            yield
-        finally:
-            setattr(module, name, original)

@@ -1,5 +1,9 @@
 """Role resolution and per-role accounting shared by every AFD worker.
 
+The byte count of a module's parameters (:func:`afd_weights.param_bytes`, shared tensors counted
+once) lives in afd-weights, where the model adapters (afd-models) use it too; this module picks the
+number a role reports (:func:`model_param_bytes`) and prints it (:func:`report_param_bytes`).
+
 Invariants:
 * :func:`require_afd_config` returns the parsed ``additional_config["afd"]`` whose role equals the
   worker's role, or raises ``ValueError`` naming the field and values.
@@ -14,6 +18,7 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole, parse_afd_config
+from afd_weights import param_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -60,26 +65,10 @@ def role_rank(vllm_config: Any, cfg: AFDConfig) -> int:
     return rank
 
 
-def param_bytes(module: torch.nn.Module) -> int:
-    """Bytes of ``module``'s parameters (a tensor shared by two names counted once).
-
-    Buffers (rotary caches and the like) are not weights and are not counted.
-    """
-    seen: set[tuple[int, int, torch.dtype]] = set()
-    total = 0
-    for t in module.parameters():
-        key = (t.data_ptr(), t.numel(), t.dtype)
-        if key in seen:
-            continue
-        seen.add(key)
-        total += t.numel() * t.element_size()
-    return total
-
-
 def model_param_bytes(model: torch.nn.Module) -> int:
     """The role's weight bytes: ``model.afd_param_bytes`` when the adapter measured it while
     loading (before vLLM's post-load processing, which on CPU repacks linear weights into
-    kernel-private buffers and leaves empty Parameters), else :func:`param_bytes`."""
+    kernel-private buffers and leaves empty Parameters), else :func:`afd_weights.param_bytes`."""
     measured = getattr(model, "afd_param_bytes", None)
     return int(measured) if isinstance(measured, int) else param_bytes(model)
 

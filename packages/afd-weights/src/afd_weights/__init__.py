@@ -1,15 +1,17 @@
 """Quantized expert-weight contract (W8A8/W4A8), quantizers and packers, layout validation,
-geometry and graph signatures.
+geometry, graph signatures and weight accounting.
 
 Public API (all importable from ``afd_weights``): :class:`QuantScheme`,
 :class:`ExpertLayerTensors`, :class:`QuantizedExpertWeights`, :class:`ExpertGeometry`,
 :class:`GraphSignature`, :class:`TensorLayout`, the packers in :mod:`afd_weights.packing`, the
-quantizers in :mod:`afd_weights.quantize`, the exporters in :mod:`afd_weights.export` and the
-decoders in :mod:`afd_weights.codes`.
+quantizers in :mod:`afd_weights.quantize`, the exporters in :mod:`afd_weights.export`, the
+decoders in :mod:`afd_weights.codes` and :func:`param_bytes` (:mod:`afd_weights.accounting`: bytes
+of a module's parameters, shared tensors counted once).
 """
 
 from importlib.metadata import version as _version
 
+from afd_weights.accounting import param_bytes
 from afd_weights.codes import LayerCodes, dequantize_layer, layer_codes
 from afd_weights.contract import QuantizedExpertWeights, expected_layer_spec
 from afd_weights.errors import QuantizationError, WeightLayoutError, WeightsError
@@ -65,6 +67,7 @@ __all__ = [
     "layout_of",
     "pack_int4",
     "pack_int4_to_int32",
+    "param_bytes",
     "quantize_int4_per_channel",
     "quantize_int4_per_group",
     "quantize_int8_per_channel",

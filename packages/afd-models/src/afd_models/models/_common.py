@@ -8,6 +8,16 @@
   shared experts) and the gate when the gate is on the FFN role.
 * :class:`AFDFFNCausalLM` is the whole FFN-role model: only the MoE blocks, at the same module
   paths as upstream so checkpoint names load unchanged.
+* :class:`AFDRoleModelMixin` is the shared top of every ``*ForCausalLM`` adapter: it returns the
+  FFN model on the FFN role (built from the adapter's FFN block builder), ends the Attention-role
+  constructor (classifier, ``afd_moe_layer_indices``, ``afd_payload_spec``, the "no routed experts
+  live here" EPLB attributes) and filters the Attention role's checkpoint. An adapter supplies
+  only small model-specific hooks (MoE-layer rule, expert count, classifier, FFN block builder,
+  router dtype, weights mapper, EPLB extras).
+
+Weight bytes are measured with :func:`afd_weights.param_bytes`; an adapter that swaps an upstream
+block class during construction uses :func:`afd_models.models._construction.construction_override`.
+No afd-runtime internals are imported here.
 
 Invariants: no attention, KV or embedding weights exist on the FFN role; no routed-expert weights
 exist on the Attention role.
@@ -16,12 +26,12 @@ exist on the Attention role.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from afd_core.config import AFDConfig, AFDRole, parse_afd_config
 from afd_core.metadata import AFDPayloadSpec
-from afd_runtime.roles import param_bytes
+from afd_weights import param_bytes
 from torch import nn
 
 from afd_models._weight_utils import Classifier, FilterStats, filter_role_weights
@@ -158,11 +168,13 @@ class AFDFFNCausalLM(nn.Module):
         moe_layer_indices: Iterable[int],
         build_block: Callable[[int, str], FFNMoEBlock],
         classify: Classifier,
+        payload_spec: AFDPayloadSpec,
         prefix: str = "",
         weights_mapper: Any = None,
     ) -> None:
         super().__init__()
         self.afd_moe_layer_indices: tuple[int, ...] = tuple(moe_layer_indices)
+        self.afd_payload_spec = payload_spec
         wanted = set(self.afd_moe_layer_indices)
         model_prefix = f"{prefix}.model" if prefix else "model"
         layers = [
@@ -198,16 +210,111 @@ class AFDRoleModelMixin:
 
     * Construction on the FFN role returns the FFN-only model that
       :meth:`_afd_build_ffn_model` builds instead of the upstream class.
+    * The adapter's Attention-role ``__init__`` builds its model and ends with
+      :meth:`_afd_init_attention_role`, which sets what the Attention worker and EPLB read.
     * ``load_weights`` on the Attention role drops every checkpoint tensor the adapter's
       classifier (``self._afd_classify``, ``None`` without AFD) assigns elsewhere, in one pass,
       then records ``afd_param_bytes`` before vLLM's post-load processing repacks weights.
+
+    An adapter supplies only what is model-specific, through the hooks below: where its config
+    lives (:meth:`_afd_hf_config`), upstream's MoE-layer rule (:meth:`_afd_is_moe_layer`), the
+    number of routed experts, its checkpoint classifier, its FFN block builder, the router-logits
+    dtype, the checkpoint-name mapper and the EPLB attributes upstream's constructor would not
+    leave right (:meth:`_afd_eplb_attributes`).
     """
 
     _afd_classify: Classifier | None = None
+    #: ``AutoWeightsLoader`` mapper of the FFN model (upstream's ``hf_to_vllm_mapper``, if any).
+    _afd_weights_mapper: ClassVar[Any] = None
+
+    # -- hooks (model-specific) -------------------------------------------------------------
 
     @staticmethod
-    def _afd_build_ffn_model(vllm_config: Any, prefix: str) -> nn.Module:
+    def _afd_hf_config(vllm_config: Any) -> Any:
+        """The Hugging Face config upstream's constructor reads (default: the text config)."""
+        return vllm_config.model_config.hf_text_config
+
+    @staticmethod
+    def _afd_is_moe_layer(config: Any, layer_idx: int) -> bool:
+        """Upstream's rule for which decoder layers are sparse-MoE."""
         raise NotImplementedError
+
+    @staticmethod
+    def _afd_num_experts(config: Any) -> int:
+        """The number of routed experts (the router-logits width)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
+        """The checkpoint-name classifier (see :mod:`afd_models._weight_utils`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _afd_build_ffn_block(vllm_config: Any, prefix: str, gate_on_attention: bool) -> FFNMoEBlock:
+        """The FFN-side block of the MoE layer at ``prefix`` (``...layers.<i>.mlp``)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def _afd_router_dtype(config: Any) -> Any:
+        """The router-logits dtype (``None``: the model dtype)."""
+        return None
+
+    @staticmethod
+    def _afd_eplb_attributes(config: Any) -> dict[str, Any]:
+        """EPLB attributes to set on the Attention model besides ``moe_layers = []`` and
+        ``num_local_physical_experts = 0`` (those upstream's constructor did not set right)."""
+        return {}
+
+    # -- shared behaviour -------------------------------------------------------------------
+
+    @classmethod
+    def _afd_moe_layer_indices(cls, config: Any) -> tuple[int, ...]:
+        return tuple(i for i in range(config.num_hidden_layers) if cls._afd_is_moe_layer(config, i))
+
+    @classmethod
+    def _afd_payload_spec(cls, vllm_config: Any, afd: AFDConfig) -> AFDPayloadSpec:
+        """What the Attention role sends per MoE layer; both roles build it (the connector
+        handshake compares them)."""
+        config = cls._afd_hf_config(vllm_config)
+        return attention_payload_spec(
+            vllm_config,
+            num_experts=cls._afd_num_experts(config),
+            gate_on_attention=afd.compute_gate_on_attention,
+            router_dtype=cls._afd_router_dtype(config),
+        )
+
+    @classmethod
+    def _afd_build_ffn_model(cls, vllm_config: Any, prefix: str) -> AFDFFNCausalLM:
+        """The FFN role's model: the adapter's FFN block at every MoE layer, upstream paths."""
+        config = cls._afd_hf_config(vllm_config)
+        afd = afd_config_of(vllm_config)
+        assert afd is not None
+        gate_on_attention = afd.compute_gate_on_attention
+        return AFDFFNCausalLM(
+            num_layers=config.num_hidden_layers,
+            moe_layer_indices=cls._afd_moe_layer_indices(config),
+            build_block=lambda _i, p: cls._afd_build_ffn_block(vllm_config, p, gate_on_attention),
+            classify=cls._afd_classifier(config, gate_on_attention),
+            payload_spec=cls._afd_payload_spec(vllm_config, afd),
+            prefix=prefix,
+            weights_mapper=cls._afd_weights_mapper,
+        )
+
+    def _afd_init_attention_role(self, vllm_config: Any, afd: AFDConfig) -> None:
+        """The end of every adapter's Attention-role ``__init__``.
+
+        Sets the EPLB attributes for "no routed experts live here", the checkpoint classifier
+        (``_afd_classify``), ``afd_moe_layer_indices`` and ``afd_payload_spec``.
+        """
+        config = self._afd_hf_config(vllm_config)
+        # No routed experts live here: expose no MoE layers to EPLB.
+        self.moe_layers: list[Any] = []
+        self.num_local_physical_experts = 0
+        for name, value in self._afd_eplb_attributes(config).items():
+            setattr(self, name, value)
+        self._afd_classify = self._afd_classifier(config, afd.compute_gate_on_attention)
+        self.afd_moe_layer_indices = self._afd_moe_layer_indices(config)
+        self.afd_payload_spec = self._afd_payload_spec(vllm_config, afd)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:
         vllm_config = kwargs.get("vllm_config")

