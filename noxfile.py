@@ -173,7 +173,8 @@ def e2e(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False, tags=["bench"])
 def bench(session: nox.Session) -> None:
-    """Every packages/*/benchmarks/bench_*.py; JSON results under each package's benchmarks/results."""
+    """Every packages/*/benchmarks/bench_*.py, then ``afd bench`` (serving TPOT, AFD vs plain);
+    JSON results under each package's benchmarks/results."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
     scripts = sorted(ROOT.glob("packages/*/benchmarks/bench_*.py"))
     if not scripts:
@@ -182,6 +183,9 @@ def bench(session: nox.Session) -> None:
         out = script.parent / "results" / f"{script.stem.removeprefix('bench_')}.json"
         out.parent.mkdir(exist_ok=True)
         session.run("python", str(script), "--out", str(out), *session.posargs)
+    serving = PACKAGES["afd-models"] / "benchmarks" / "results" / "serving.json"
+    serving.parent.mkdir(parents=True, exist_ok=True)
+    session.run("afd", "bench", "--out", str(serving), "--log-dir", session.create_tmp())
 
 
 @nox.session(python=PYTHON, default=False, tags=["release"])

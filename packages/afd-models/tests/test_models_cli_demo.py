@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -113,6 +114,30 @@ def test_render_report_pass() -> None:
     assert "12.5" in lines["plain"] and "3.0 GiB" in lines["plain"]
     assert "2.0 KiB / 2.0 KiB" in lines["afd-attention"] and "2.0 MiB" in lines["afd-attention"]
     assert lines["afd-ffn"].count("n/a") == 2
+
+
+def test_ffn_stats_are_parsed_and_rendered() -> None:
+    from afd_models.demo.servers import parse_ffn_stats
+    from afd_runtime.ffn_service import STATS_FORMAT
+
+    def line(steps: int, calls: int, tokens: int) -> str:
+        return STATS_FORMAT.format(
+            rank=0, steps=steps, calls=calls, tokens=tokens, peers=2, layers=4
+        )
+
+    log = f"noise\n{line(1, 4, 8)}\n(Worker) INFO x\n{line(10, 40, 200)}\n"
+    stats = parse_ffn_stats(log)
+    assert set(stats) == {0}
+    s = stats[0]
+    assert (s.steps, s.compute_calls, s.tokens, s.peers, s.layers) == (10, 40, 200, 2, 4)
+    assert (s.calls_per_step, s.tokens_per_call) == (4.0, 5.0)
+    assert parse_ffn_stats("nothing here") == {}
+    report = dataclasses.replace(_report((3, 4)), ffn_stats=s)
+    text = render_report(report)
+    assert (
+        "FFN rank 0 batching: 10 steps, 40 compute calls (4.0 per step over 4 MoE layers, "
+        "2 Attention rank(s) per call), 200 tokens (5.0 per call)"
+    ) in text
 
 
 def test_render_report_fail_names_the_mismatch() -> None:

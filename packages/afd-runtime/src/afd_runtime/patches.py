@@ -12,8 +12,10 @@
    sleeping on the service, not spinning in vLLM's RPC reader) and raises the service's error
    (the engine then reports itself dead and the process exits non-zero); on SIGTERM it stops the
    loop and exits with ``SystemExit`` (status 0). The FFN engine's RPC response readers stop
-   busy-spinning (:func:`quiet_rpc_readers`): they wait seconds per RPC by design. Other roles /
-   no AFD: upstream loop.
+   busy-spinning (:func:`quiet_rpc_readers`): they wait seconds per RPC by design. The Attention
+   role runs the upstream loop; on the CPU platform its response readers are quieted too (its
+   workers compute on the host cores that spin would take from them and from an FFN role on the
+   same host). No AFD: upstream loop, unchanged.
 
 Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
 not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
@@ -62,9 +64,15 @@ def select_afd_worker(vllm_config: Any) -> None:
     logger.info("AFD role=%s worker_cls=%s", cfg.role.value, pc.worker_cls)
 
 
-def _is_ffn(engine_core: Any) -> bool:
+def _afd_role(engine_core: Any) -> AFDRole | None:
     cfg = parse_afd_config(getattr(engine_core.vllm_config, "additional_config", None))
-    return cfg is not None and cfg.role is AFDRole.FFN
+    return None if cfg is None else cfg.role
+
+
+def _on_cpu_platform() -> bool:
+    from vllm.platforms import current_platform
+
+    return bool(current_platform.is_cpu())
 
 
 def quiet_rpc_readers(executor: Any) -> int:
@@ -127,8 +135,13 @@ def apply_vllm_patches() -> None:
 
         @functools.wraps(original_loop)
         def run_busy_loop(self: Any) -> None:
-            if _is_ffn(self):
+            role = _afd_role(self)
+            if role is AFDRole.FFN:
                 ffn_busy_loop(self)
+            elif role is AFDRole.ATTENTION and _on_cpu_platform():
+                # CPU workers compute on the host cores the engine would spin on; beside an FFN
+                # role (or other Attention ranks) on the same host that spin takes their CPU.
+                quiet_rpc_readers(self.model_executor)
             return original_loop(self)
 
         setattr(run_busy_loop, _MARK, True)

@@ -16,8 +16,10 @@ Derived per row: ``TPOT_afd / TPOT_plain``, and the AFD overhead per MoE layer h
 ``(TPOT_afd - TPOT_plain) / L`` against the raw round trip of that batch. Targets on a 2-core
 host (issue "one data path"): ratio <= 1.5, overhead <= 3 x round trip.
 
-Server placement (:data:`PLACEMENT_ENV`): every engine runs one OpenMP thread per worker and
-passive OpenMP waits, so a role waiting for the other does not spin on the core the other needs.
+Placement: the AFD roles and the plain reference run with :data:`PLACEMENT_ENV`: one OpenMP
+thread per worker and passive OpenMP waits, so a role waiting for the other does not spin on the
+core the other needs. Plain vLLM with its own default CPU threading (one worker, every core) is
+measured as well and reported for reference (on a 2-core host it was slower than one thread).
 """
 
 from __future__ import annotations
@@ -53,6 +55,8 @@ PLACEMENT_ENV: Final[Mapping[str, str]] = {
     "KMP_BLOCKTIME": "0",
 }
 BATCH_SIZES: Final[tuple[int, ...]] = (1, 4, 16)
+#: The extra plain row: vLLM's own CPU threading (every core to the one worker), for reference.
+DEFAULT_THREADS_SETUP: Final[str] = "plain (vLLM default threads)"
 TARGET_RATIO: Final[float] = 1.5
 TARGET_OVERHEAD_RT: Final[float] = 3.0
 
@@ -224,13 +228,13 @@ def measure_tpot(server: VLLMServer, batch: int, cfg: BenchConfig, setup: str) -
 # --------------------------------------------------------------------------------------------
 
 
-def _options(cfg: BenchConfig) -> EngineOptions:
+def _options(cfg: BenchConfig, env: Mapping[str, str]) -> EngineOptions:
     return EngineOptions(
         dtype="float32",
         enforce_eager=True,
         max_model_len=512,
         startup_timeout_s=cfg.startup_timeout_s,
-        env=dict(PLACEMENT_ENV),
+        env=dict(env),
     )
 
 
@@ -305,12 +309,18 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
     largest = max(cfg.batch_sizes)
     progress(f"raw gloo round trip, hidden={hidden}")
     round_trip = raw_round_trip_ms(cfg.batch_sizes, hidden)
-    options = _options(cfg)
     log_dir = Path(cfg.log_dir)
 
-    progress("plain vLLM")
-    plain = plain_server(model, log_dir=log_dir, options=options, progress=progress)
-    plain_rows = _run_setup([plain], plain, cfg.batch_sizes, cfg, "plain")
+    plain_rows: list[TPOTRow] = []
+    plain_setups = (
+        ("plain", "plain", PLACEMENT_ENV),
+        (DEFAULT_THREADS_SETUP, "plain-default-threads", DEFAULT_ENGINE_ENV),
+    )
+    for setup, name, env in plain_setups:
+        progress(setup)
+        options = _options(cfg, env)
+        plain = plain_server(model, log_dir=log_dir, options=options, name=name, progress=progress)
+        plain_rows += _run_setup([plain], plain, cfg.batch_sizes, cfg, setup)
 
     afd_rows: list[TPOTRow] = []
     for attention_ranks, batches in ((1, cfg.batch_sizes), (2, (largest,))):
@@ -319,7 +329,7 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         attention, ffn = afd_servers(
             model,
             log_dir=log_dir,
-            options=options,
+            options=_options(cfg, PLACEMENT_ENV),
             num_attention_ranks=attention_ranks,
             gate_on_attention=False,
             prefix=f"bench-{attention_ranks}a1f",
@@ -327,12 +337,13 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         )
         afd_rows += _run_setup([attention, ffn], attention, batches, cfg, setup)
 
-    rows = compare(plain_rows, afd_rows, round_trip, layers)
+    rows = compare([r for r in plain_rows if r.setup == "plain"], afd_rows, round_trip, layers)
     result = {
         "model": f"tiny qwen3_moe (hidden {hidden}, {layers} MoE layers)",
         "max_tokens": cfg.max_tokens,
         "repeats": cfg.repeats,
-        "placement_env": dict(PLACEMENT_ENV),
+        "env": dict(PLACEMENT_ENV),
+        "default_threads_env": dict(DEFAULT_ENGINE_ENV),
         "raw_round_trip_ms": {str(b): v for b, v in round_trip.items()},
         "tpot": [asdict(r) for r in (*plain_rows, *afd_rows)],
         "compared": [{**asdict(r), "meets_targets": r.meets_targets} for r in rows],
@@ -342,4 +353,9 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(result, indent=2) + "\n")
     progress(render(rows))
+    default = {r.batch: r.tpot_ms for r in plain_rows if r.setup == DEFAULT_THREADS_SETUP}
+    progress(
+        "plain with vLLM's default CPU threading (reference): "
+        + ", ".join(f"batch {b}: {t:.2f} ms" for b, t in default.items())
+    )
     return result

@@ -4,7 +4,8 @@ Flow: build (or reuse) the tiny checkpoint unless a model path is given; run pla
 send the prompts (concurrently), record tokens/s and RSS, stop it; start the FFN and Attention
 roles, send the same prompts to the Attention role, record tokens/s, RSS per role process tree and
 the parameter bytes each role reports (``AFD role=<role> param_bytes=<n>`` log lines), stop both
-(Attention first). The report holds per-prompt parity; the demo fails when any prompt differs.
+(Attention first) and read the FFN's batching counters (``AFD FFN rank=<f> stats ...``). Each
+server gets one untimed request before the timed batch. The report holds per-prompt parity; the demo fails when any prompt differs.
 At most two engines run at a time.
 """
 
@@ -18,10 +19,12 @@ from afd_models.demo.client import BatchResult, complete_many
 from afd_models.demo.parity import ParityResult, compare_parity
 from afd_models.demo.servers import (
     EngineOptions,
+    FFNStats,
     Progress,
     VLLMServer,
     afd_servers,
     parity_options,
+    parse_ffn_stats,
     parse_param_bytes,
     plain_server,
     process_tree_rss,
@@ -79,6 +82,7 @@ class DemoReport:
     topology: str
     parity: ParityResult
     servers: tuple[ServerStats, ...]
+    ffn_stats: FFNStats | None = None
 
     @property
     def ok(self) -> bool:
@@ -140,6 +144,14 @@ def render_report(report: DemoReport) -> str:
     ]
     out += _table(["server", "role", "tokens/s", "weight bytes (per rank)", "RSS (tree)"], srows)
     out.append("")
+    f = report.ffn_stats
+    if f is not None:
+        out.append(
+            f"FFN rank {f.rank} batching: {f.steps} steps, {f.compute_calls} compute calls "
+            f"({f.calls_per_step:.1f} per step over {f.layers} MoE layers, {f.peers} Attention "
+            f"rank(s) per call), {f.tokens} tokens ({f.tokens_per_call:.1f} per call)"
+        )
+        out.append("")
     n_bad = len(report.parity.mismatches)
     out.append(
         "PASS: all prompts identical"
@@ -162,6 +174,8 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> Path:
 
 
 def _run_batch(server: VLLMServer, cfg: DemoConfig, progress: Progress) -> BatchResult:
+    # One untimed request first: tokens/s then measures serving, not first-request warm-up.
+    complete_many(server.base_url, cfg.prompts[:1], max_tokens=cfg.max_tokens, concurrency=1)
     progress(f"[{server.name}] sending {len(cfg.prompts)} prompts ({cfg.concurrency} concurrent)")
     result = complete_many(
         server.base_url, cfg.prompts, max_tokens=cfg.max_tokens, concurrency=cfg.concurrency
@@ -219,4 +233,5 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
     gate = "attention" if cfg.gate_on_attention else "ffn"
     topology = f"{cfg.num_attention_ranks} attention : 1 ffn, gate on {gate}"
     parity = compare_parity(base.completions, afd.completions)
-    return DemoReport(str(model), topology, parity, servers)
+    ffn_stats = parse_ffn_stats(ffn.log_text()).get(0)
+    return DemoReport(str(model), topology, parity, servers, ffn_stats)
