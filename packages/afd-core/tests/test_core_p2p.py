@@ -321,7 +321,7 @@ def test_recv_ahead_extra_config() -> None:
 
 def test_ffn_rejects_a_step_that_conflicts_with_a_posted_receive() -> None:
     from afd_core.errors import AFDProtocolError
-    from afd_core.p2p import _PostedRecv
+    from afd_core.p2p.recv_ahead import _PostedRecv
 
     conn = P2PConnector(
         AFDConfig(role=AFDRole.FFN, num_attention_ranks=2), payload_spec=spec(), num_layers=3

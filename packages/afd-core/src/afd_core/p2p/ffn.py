@@ -1,0 +1,362 @@
+"""The FFN side of the P2P connector: control messages in, payloads in, replies out.
+
+:meth:`_FFNSide.recv_control` merges the served Attention ranks' messages, then posts the
+step's first data receives and the next step's control receive. Receives are posted ahead on
+gloo within the window of :mod:`afd_core.p2p.recv_ahead`: request/reply (the service loop) keeps
+one ahead, posted with the reply; a stream (several layers received before replying) gets the
+whole window, now and at the next step's control message. Off gloo every receive is posted when
+it is asked for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from afd_core.config import AFDRole
+from afd_core.errors import AFDConfigError, AFDPayloadError, AFDProtocolError
+from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
+from afd_core.p2p.groups import _LONG_WAIT
+from afd_core.p2p.lifecycle import _P2PLifecycle
+from afd_core.p2p.recv_ahead import _PostedRecv
+from afd_core.p2p.wire import _CONTROL_TAG, _decode_control
+
+
+class _FFNSide(_P2PLifecycle):
+    """The FFN role's operations of :class:`~afd_core.p2p.P2PConnector`."""
+
+    # -- control plane ---------------------------------------------------------------------
+
+    def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
+        """Receive one control message from every served Attention rank and merge them.
+
+        ``timeout_s``: ``None`` uses ``config.timeout_s``; ``math.inf`` waits until a message
+        arrives or a peer fails (for idle service loops). Served ranks must agree on the number
+        of stages and on the flags (else :class:`AFDProtocolError`).
+        """
+        self._check_ready(AFDRole.FFN, "recv_control")
+        if timeout_s is None:
+            timeout = self._timeout
+        elif (
+            isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0
+        ):
+            raise AFDConfigError("timeout_s", timeout_s, "None, math.inf or seconds > 0")
+        else:
+            timeout = _LONG_WAIT if math.isinf(timeout_s) else timedelta(seconds=timeout_s)
+        buffers, works = self._control_posted or self._post_control_recv()
+        self._control_posted = None
+        self._wait(works, "recv_control", timeout)
+        messages: list[AFDControlMessage] = []
+        for buf, src in zip(buffers, self._served, strict=True):
+            try:
+                msg = _decode_control(buf)
+            except AFDProtocolError as err:
+                self._fail(err, f"recv_control from world rank {src}", src)
+            messages.append(msg)
+        first = messages[0]
+        for src, msg in zip(self._served[1:], messages[1:], strict=True):
+            for name in ("num_stages", "is_warmup", "is_capture", "shutdown"):
+                if getattr(msg, name) != getattr(first, name):
+                    mismatch = AFDProtocolError(
+                        f"served Attention ranks disagree on {name}: world rank "
+                        f"{self._served[0]} sent {getattr(first, name)!r}, world rank {src} "
+                        f"sent {getattr(msg, name)!r}"
+                    )
+                    self._fail(mismatch, "recv_control", src)
+        merged = (
+            first  # one served rank: its message is already the merged one
+            if len(messages) == 1
+            else AFDControlMessage(
+                tuple(
+                    tuple(m.stage_token_counts[s][0] for m in messages)
+                    for s in range(first.num_stages)
+                ),
+                is_warmup=first.is_warmup,
+                is_capture=first.is_capture,
+                shutdown=first.shutdown,
+            )
+        )
+        self._control = None if merged.shutdown else merged
+        if self._control is None:
+            self._ahead_stages = frozenset()
+        else:
+            # The step's first data receives first (the Attention ranks' sends wait for their
+            # notices), then the next step's control receive, so its sender never waits for it.
+            self._post_step_recvs(self._control)
+            self._control_posted = self._post_control_recv()
+        return merged
+
+    def _post_control_recv(self) -> tuple[list[torch.Tensor], list[tuple[Any, int]]]:
+        buffers = self._control_bufs
+        works: list[tuple[Any, int]] = []
+        try:
+            for buf, src in zip(buffers, self._served, strict=True):
+                works.append((self._ctl_pg.recv([buf], src, _CONTROL_TAG), src))
+        except RuntimeError as err:
+            works.clear()
+            self._fail(err, "recv_control", None)
+        return buffers, works
+
+    # -- data plane ------------------------------------------------------------------------
+
+    def _expected_ffn_counts(self, metadata: AFDTransferMetadata) -> None:
+        control = self._control
+        if control is None:
+            return
+        if metadata.stage_idx >= control.num_stages:
+            raise AFDPayloadError(
+                "stage_idx", metadata.stage_idx, f"an int in 0..{control.num_stages - 1}"
+            )
+        announced = control.stage_token_counts[metadata.stage_idx]
+        if metadata.num_tokens != announced:
+            raise AFDPayloadError("num_tokens", metadata.num_tokens, f"{announced} as announced")
+
+    def _post_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
+        """Post the receives of ``stage``'s next transfer (``n`` tokens) from world rank ``src``.
+
+        The common case (hidden states only, no sequence header) posts before it builds the
+        payload objects: on a receive posted when asked for, everything before the posting
+        delays the sender (it waits for the receive's notice), and on a busy host that code
+        runs with cold caches right after this thread woke up."""
+        if n and self._hidden_only and not self.check_sequence:
+            tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
+            buf = self._buffers.get(tags.recv_keys[src][0], (n, self._hidden), self._out_dtype)
+            try:
+                work = self._data_pg.recv([buf], src, tags.fields[0][1])
+            except RuntimeError as err:
+                self._fail(err, "recv_attn_output", src)
+            posted = _PostedRecv(n, [buf], AFDPayload._of_hidden_states(buf))
+            posted.works.append(work)
+            return posted
+        posted = self._prepare_recv(stage, src, n)
+        self._start_recv(posted, stage, src)
+        return posted
+
+    def _prepare_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
+        """The buffers and payload of ``stage``'s next transfer from ``src``, not yet posted."""
+        tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
+        keys = tags.recv_keys[src]
+        if self._hidden_only:
+            buf = self._buffers.get(keys[0], (n, self._hidden), self._out_dtype)
+            return _PostedRecv(n, [buf], AFDPayload._of_hidden_states(buf))
+        specs = self.payload_spec.fields
+        tensors = [
+            self._buffers.get(key, spec.shape(n), spec.dtype)
+            for spec, key in zip(specs, keys)  # noqa: B905
+        ]
+        payload = AFDPayload(**{spec.name: t for spec, t in zip(specs, tensors)})  # noqa: B905
+        return _PostedRecv(n, tensors, payload)
+
+    def _start_recv(self, posted: _PostedRecv, stage: int, src: int) -> None:
+        """Post the receives of a prepared transfer (nothing is posted for zero tokens)."""
+        tags = self._stage_tags[stage]
+        pg = self._data_pg
+        works = posted.works
+        try:
+            if self.check_sequence:
+                posted.header = torch.empty(3, dtype=torch.int64, device=self.device)
+                works.append(pg.recv([posted.header], src, tags.sequence))
+            if posted.num_tokens:
+                for (_, tag), buf in zip(tags.fields, posted.tensors):  # noqa: B905
+                    works.append(pg.recv([buf], src, tag))
+        except RuntimeError as err:
+            works.clear()
+            self._fail(err, "recv_attn_output", src)
+
+    def _post_ahead(self, stage: int, counts: Sequence[int], left: int, full: bool) -> None:
+        """Top ``stage``'s posted receives up to their window (``full``: a stream) or one
+        (request/reply), at most ``left`` (the layers left in the step)."""
+        for src, n in zip(self._served, counts, strict=True):
+            want = min(self._window(n), left if full else min(left, 1))
+            if want:
+                queue = self._posted[stage, src]
+                while len(queue) < want:
+                    queue.append(self._post_recv(stage, src, n))
+
+    def _post_step_recvs(self, control: AFDControlMessage) -> None:
+        """New step: keep receives left posted when their count holds, post every first one."""
+        self._after_reply.clear()  # nothing on the wire for these yet
+        self._unreplied.clear()
+        self._seen.clear()
+        for (stage, src), queue in list(self._posted.items()):
+            posted = queue[0]
+            col = self._served.index(src)
+            n = control.stage_token_counts[stage][col] if stage < control.num_stages else None
+            if n != posted.num_tokens:
+                # The peer's next transfer would land in a receive of the wrong size (gloo
+                # aborts the process on that); the Attention side refuses first, see
+                # send_control, so this is the second line of defence.
+                self._fail(
+                    AFDProtocolError(
+                        f"stage {stage} still has a receive posted for {posted.num_tokens} "
+                        f"tokens from world rank {src} (its previous step ended before layer "
+                        f"{self.num_layers - 1}), but the new step announces {n}; end every "
+                        "step at the last layer or set connector_extra_config.recv_ahead=false"
+                    ),
+                    "recv_control",
+                    src,
+                )
+        # Stages with a window for some served rank (the others never post ahead this step).
+        self._ahead_stages = frozenset(
+            stage
+            for stage, counts in enumerate(control.stage_token_counts)
+            if any(self._window(n) for n in counts)
+        )
+        for stage in self._ahead_stages:
+            counts = control.stage_token_counts[stage]
+            self._post_ahead(stage, counts, self.num_layers, stage in self._streaming)
+
+    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
+        control = self._control
+        if not (  # the hot path: counts as announced by this step's control message
+            self._initialized
+            and self._is_ffn
+            and type(metadata) is AFDTransferMetadata
+            and control is not None
+            and metadata.layer_idx < self.num_layers
+            and metadata.stage_idx < len(control.stage_token_counts)
+            and metadata.num_tokens == control.stage_token_counts[metadata.stage_idx]
+        ):
+            self._check_ready(AFDRole.FFN, "recv_attn_output")
+            self._check_metadata(metadata, None)
+            self._expected_ffn_counts(metadata)
+        stage = metadata.stage_idx
+        posted_map = self._posted
+        recvs: list[_PostedRecv] = []
+        works: list[tuple[Any, int]] = []
+        # One count per served rank (checked by _check_metadata).
+        for src, n in zip(self._served, metadata.num_tokens):  # noqa: B905
+            queue = posted_map.get((stage, src))
+            if queue is None:
+                posted = self._post_recv(stage, src, n)
+            else:
+                posted = queue.popleft()
+                if not queue:
+                    del posted_map[stage, src]
+            recvs.append(posted)
+            for work in posted.works:
+                works.append((work, src))
+            posted.works = []
+        # Everything but the wait happens before it, so the caller gets the data as soon as it
+        # is in: the result objects, and (see _schedule_ahead) perhaps the next receive.
+        payloads = [posted.payload for posted in recvs]
+        self._after_reply.pop(stage, None)
+        # The call pattern decides the window (see _schedule_ahead); the last one seen is
+        # kept for the next step's first receives.
+        if stage in self._unreplied:
+            self._streaming.add(stage)
+        elif stage in self._seen:
+            self._streaming.discard(stage)
+        self._seen.add(stage)
+        left = self.num_layers - 1 - metadata.layer_idx
+        if left and stage in self._ahead_stages:
+            self._schedule_ahead(stage, metadata.num_tokens, left)
+        self._unreplied.add(stage)
+        self._wait(works, "recv_attn_output")
+        if self.check_sequence:
+            self._check_headers(metadata, recvs)
+        self._last_received = metadata
+        return payloads
+
+    def _schedule_ahead(self, stage: int, counts: tuple[int, ...], left: int) -> None:
+        """Top ``stage``'s receives up, now or right with this transfer's reply (``left``:
+        layers after this one).
+
+        Request/reply (the service loop, where the previous transfer of the stage was replied
+        to): one receive ahead, posted with the reply (just before it), so the receive notice
+        reaches the Attention rank while it waits for that reply; posted earlier, it meets the
+        Attention rank in the middle of its next send, which a busy host can stall. The
+        Attention rank cannot send the next layer before it has the reply, so a deeper window
+        would only cycle more buffers through the cache. A stream (the previous transfer not
+        replied yet): the whole window, now, before waiting; a stage that streamed has its whole
+        window posted at the next step's control message too.
+        """
+        if stage in self._unreplied:
+            self._post_ahead(stage, counts, left, True)
+            return
+        # Buffers and payloads now, before the wait (off the path between the data's arrival
+        # and the reply); only the posting waits for the reply.
+        prepared = []
+        for src, n in zip(self._served, counts, strict=True):
+            want = min(self._window(n), 1)
+            if want:
+                queue = self._posted.get((stage, src))
+                for _ in range(want - (len(queue) if queue else 0)):
+                    prepared.append((src, self._prepare_recv(stage, src, n)))
+        if prepared:
+            self._after_reply[stage] = prepared
+
+    def _check_headers(self, metadata: AFDTransferMetadata, recvs: list[_PostedRecv]) -> None:
+        stage = metadata.stage_idx
+        for src, n, posted in zip(self._served, metadata.num_tokens, recvs, strict=True):
+            if posted.header is None:
+                continue
+            got = tuple(int(v) for v in posted.header.tolist())
+            want = (metadata.layer_idx, stage, n)
+            if got != want:
+                self._fail(
+                    AFDProtocolError(
+                        f"sequence check failed: world rank {src} sent (layer, stage, tokens)="
+                        f"{got}, this FFN rank expected {want}"
+                    ),
+                    "recv_attn_output",
+                    src,
+                )
+
+    def send_ffn_output(
+        self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
+    ) -> None:
+        if not (self._initialized and self._is_ffn):
+            self._check_ready(AFDRole.FFN, "send_ffn_output")
+        if metadata is not self._last_received:  # that one was checked by recv_attn_output
+            self._check_metadata(metadata, None)
+            self._expected_ffn_counts(metadata)
+        spec = self._reply_spec
+        counts = metadata.num_tokens
+        if isinstance(outputs, torch.Tensor):
+            total = metadata.total_tokens
+            if outputs.dim() != 2 or outputs.shape[0] != total:
+                raise AFDPayloadError(
+                    "outputs", tuple(outputs.shape), f"shape {(total, spec.width)} (all peers)"
+                )
+            parts: Sequence[torch.Tensor] = torch.split(outputs, list(counts))
+        else:
+            parts = outputs if type(outputs) is list else list(outputs)
+            if len(parts) != len(self._served):
+                raise AFDPayloadError(
+                    "outputs", len(parts), f"{len(self._served)} tensors (one per served rank)"
+                )
+        device_type = self._device_type
+        hidden, dtype, on_cpu = self._hidden, self._out_dtype, device_type == "cpu"
+        for part, n in zip(parts, counts):  # noqa: B905 (lengths checked above)
+            if (  # the full checks only when the cheap one fails (they name what is wrong)
+                type(part) is not torch.Tensor
+                or part.dtype is not dtype
+                or part.shape != (n, hidden)
+                or not (part.is_cpu if on_cpu else part.device.type == device_type)
+            ):
+                if not isinstance(part, torch.Tensor):
+                    raise AFDPayloadError("outputs", type(part).__name__, "torch.Tensor items")
+                AFDPayloadSpec.validate_tensor(spec, part, n, device_type, name="outputs")
+        stage = metadata.stage_idx
+        self._unreplied.discard(stage)
+        prepared = self._after_reply.pop(stage, None)
+        if prepared:  # the receives prepared by recv_attn_output go just before this reply
+            for src, posted in prepared:
+                self._start_recv(posted, stage, src)
+                self._posted[stage, src].append(posted)
+        tag = (self._stage_tags.get(stage) or self._make_stage_tags(stage)).reply
+        pg = self._data_pg
+        works: list[tuple[Any, int]] = []
+        try:
+            for part, n, dst in zip(parts, counts, self._served):  # noqa: B905
+                if n:
+                    works.append((pg.send([part.contiguous()], dst, tag), dst))
+        except RuntimeError as err:
+            works.clear()
+            self._fail(err, "send_ffn_output", None)
+        self._wait(works, "send_ffn_output")

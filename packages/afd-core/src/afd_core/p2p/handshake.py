@@ -1,0 +1,74 @@
+"""What every P2P rank publishes at ``init`` and how two ranks' publications are compared.
+
+Every field must match on every rank of the world; the first difference raises
+:class:`AFDHandshakeError` naming it (the protocol version first, then each config agreement
+field, then the rest, the payload spec field by field), so a mismatch fails on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from afd_core.config import AFDConfig
+from afd_core.errors import AFDHandshakeError
+from afd_core.metadata import PAYLOAD_FIELDS, AFDPayloadSpec, dtype_name
+from afd_core.p2p.wire import PROTOCOL_VERSION
+from afd_core.topology import AFDTopology
+
+
+def _handshake_fields(
+    config: AFDConfig,
+    topology: AFDTopology,
+    payload_spec: AFDPayloadSpec,
+    num_layers: int,
+    device: torch.device,
+) -> dict[str, Any]:
+    """The handshake publication of a rank with this config, topology, spec and device."""
+    return {
+        "protocol_version": PROTOCOL_VERSION,
+        "config": config.agreement_fields(),
+        "config_hash": config.agreement_hash(),
+        "hidden_size": payload_spec.hidden_size,
+        "dtype": dtype_name(payload_spec.dtype),
+        "num_layers": num_layers,
+        "topology": [topology.num_attention_ranks, topology.num_ffn_ranks],
+        "payload_spec": payload_spec.to_wire(),
+        "device_type": device.type,
+    }
+
+
+def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer: int) -> None:
+    """Raise :class:`AFDHandshakeError` on the first field where world rank ``peer`` differs."""
+    # Protocol version first: other fields may not be comparable across versions.
+    if theirs.get("protocol_version") != mine["protocol_version"]:
+        raise AFDHandshakeError(
+            "protocol_version", mine["protocol_version"], theirs.get("protocol_version"), peer
+        )
+    their_config = theirs.get("config", {})
+    for key, value in mine["config"].items():
+        if their_config.get(key) != value:
+            raise AFDHandshakeError(f"config.{key}", value, their_config.get(key), peer)
+    for key in (
+        "config_hash",
+        "hidden_size",
+        "dtype",
+        "num_layers",
+        "topology",
+        "payload_spec",
+        "device_type",
+    ):
+        if theirs.get(key) != mine[key]:
+            if key == "payload_spec":
+                mine_spec, their_spec = mine[key], theirs.get(key) or {}
+                for name in PAYLOAD_FIELDS:
+                    if mine_spec.get(name) != their_spec.get(name):
+                        raise AFDHandshakeError(
+                            f"payload_spec.{name}",
+                            mine_spec.get(name),
+                            their_spec.get(name),
+                            peer,
+                        )
+            raise AFDHandshakeError(key, mine[key], theirs.get(key), peer)
