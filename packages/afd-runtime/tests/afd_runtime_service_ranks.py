@@ -7,7 +7,9 @@ serving; the FFN rank runs :class:`afd_runtime.ffn_service.FFNService` on the sa
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -44,13 +46,40 @@ def connector(cfg: AFDConfig, rank: int) -> Any:
     )
 
 
-def compute(layer: int, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
-    out = hidden * (layer + 1)
-    if logits is not None:
-        out = out + logits.sum(dim=-1, keepdim=True).to(hidden.dtype)
-    if layer == 3 and hidden.shape[0] == 13:
-        raise ValueError("planted failure at 13 tokens")
-    return out
+class StepRecordingCompute:
+    """A stepped FFN compute (``afd_runtime.compute.SteppedFFNCompute``) that records, per
+    step, the ``num_tokens`` it was entered with and the calls made inside it."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int, int]] = []  # (num_tokens, calls inside the step)
+        self.calls_outside_steps = 0
+        self._open: list[int] | None = None
+
+    @contextlib.contextmanager
+    def step(self, num_tokens: int) -> Iterator[None]:
+        self._open = [num_tokens, 0]
+        try:
+            yield
+        finally:
+            self.steps.append((self._open[0], self._open[1]))
+            self._open = None
+
+    def __call__(
+        self, layer: int, hidden: torch.Tensor, logits: torch.Tensor | None
+    ) -> torch.Tensor:
+        if self._open is None:
+            self.calls_outside_steps += 1
+        else:
+            self._open[1] += 1
+        out = hidden * (layer + 1)
+        if logits is not None:
+            out = out + logits.sum(dim=-1, keepdim=True).to(hidden.dtype)
+        if layer == 3 and hidden.shape[0] == 13:
+            raise ValueError("planted failure at 13 tokens")
+        return out
+
+
+compute = StepRecordingCompute()
 
 
 def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: Any) -> None:
@@ -71,6 +100,7 @@ def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: 
             None if err is None else f"{type(err).__name__}: {err}",
         )
     )
+    q.put(("ffn-steps", compute.steps, compute.calls_outside_steps))
 
 
 def _hidden(n: int, rank: int, step: int) -> torch.Tensor:

@@ -62,6 +62,24 @@ def test_ffn_loop_waits_serves_requests_and_stops() -> None:
     assert patches.FFN_WAIT_S > 1  # above vLLM's reader spin window: the worker reads asleep
 
 
+def test_ffn_loop_in_process_executor_has_no_readers_to_quiet(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    warnings: list[str] = []
+    monkeypatch.setattr(patches.logger, "warning", lambda msg, *a: warnings.append(msg % a))
+    engine = _Engine(waits=1)
+    engine.model_executor = SimpleNamespace()  # vLLM's UniProcExecutor: no response queues
+    with pytest.raises(SystemExit):
+        patches.ffn_busy_loop(engine)
+    assert [c[0] for c in engine.calls] == ["afd_ffn_start", "afd_ffn_wait", "afd_ffn_stop"]
+    assert warnings == []
+    engine = _Engine(waits=1)
+    engine.model_executor = SimpleNamespace(response_mqs=[])  # multiprocess, none found
+    with pytest.raises(SystemExit):
+        patches.ffn_busy_loop(engine)
+    assert len(warnings) == 1 and "keep spinning" in warnings[0]
+
+
 def test_ffn_loop_raises_the_service_error() -> None:
     engine = _Engine(waits=5, fail_at=2)
     with pytest.raises(RuntimeError, match="AFD FFN service loop failed: boom"):

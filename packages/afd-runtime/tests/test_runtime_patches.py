@@ -43,10 +43,14 @@ def test_worker_selection_errors_name_the_field() -> None:
         afd_worker_qualname("ffn", AFD_WORKERS[CPU][0])
 
 
-def _vllm_config(afd: dict[str, Any] | None, worker: Any = CPU) -> SimpleNamespace:
+def _vllm_config(
+    afd: dict[str, Any] | None, worker: Any = CPU, backend: Any = "mp", world_size: int = 1
+) -> SimpleNamespace:
     return SimpleNamespace(
         additional_config={} if afd is None else {"afd": afd},
-        parallel_config=SimpleNamespace(worker_cls=worker),
+        parallel_config=SimpleNamespace(
+            worker_cls=worker, distributed_executor_backend=backend, world_size=world_size
+        ),
         cache_config=SimpleNamespace(enable_prefix_caching=True),
         shutdown_timeout=0,
     )
@@ -54,10 +58,37 @@ def _vllm_config(afd: dict[str, Any] | None, worker: Any = CPU) -> SimpleNamespa
 
 def test_select_afd_worker_leaves_plain_configs_alone() -> None:
     cfg = _vllm_config(None)
-    patches.select_afd_worker(cfg)
+    patches.select_afd_worker(cfg, on_cpu=True)
     assert cfg.parallel_config.worker_cls == CPU
+    assert cfg.parallel_config.distributed_executor_backend == "mp"
     assert cfg.cache_config.enable_prefix_caching is True
     assert cfg.shutdown_timeout == 0
+
+
+@pytest.mark.parametrize("role", ["attention", "ffn"])
+def test_afd_roles_on_cpu_run_their_worker_in_process(role: str) -> None:
+    cfg = _vllm_config({"role": role, "port": 1})
+    patches.select_afd_worker(cfg, requested_backend=None, on_cpu=True)
+    assert cfg.parallel_config.distributed_executor_backend == "uni"
+
+
+def test_in_process_executor_keeps_what_it_must() -> None:
+    cases = [
+        # (platform is CPU, user's --distributed-executor-backend, world size, vLLM's choice)
+        (False, None, 1, "mp"),  # other platforms: vLLM's choice stands
+        (True, "mp", 1, "mp"),  # the user asked for mp
+        (True, None, 2, "mp"),  # more than one worker in the engine
+        (True, None, 1, "ray"),  # a backend vLLM picked for a reason of its own
+    ]
+    for on_cpu, requested, world_size, chosen in cases:
+        pc = SimpleNamespace(distributed_executor_backend=chosen, world_size=world_size)
+        assert patches.in_process_executor(pc, requested, on_cpu) is False
+        assert pc.distributed_executor_backend == chosen
+    pc = SimpleNamespace(distributed_executor_backend="mp", world_size=1)
+    assert patches.in_process_executor(pc, None, True) is True
+    assert pc.distributed_executor_backend == "uni"
+    assert patches.in_process_executor(pc, None, True) is True  # idempotent
+    assert pc.distributed_executor_backend == "uni"
 
 
 def test_select_afd_worker_per_role() -> None:

@@ -10,7 +10,12 @@ import torch
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.errors import AFDConfigError
 from afd_core.metadata import AFDPayloadSpec
-from afd_runtime.compute import NativeFusedMoECompute, ffn_compute_name, select_ffn_compute
+from afd_runtime.compute import (
+    NativeFusedMoECompute,
+    SteppedFFNCompute,
+    ffn_compute_name,
+    select_ffn_compute,
+)
 from afd_runtime.roles import model_param_bytes, require_afd_config, role_rank
 
 
@@ -82,6 +87,29 @@ def test_native_compute_runs_in_the_step_context() -> None:
     assert ctx.calls == [3]
     with pytest.raises(RuntimeError, match=r"layer 1 returned shape=\(1, 2\)"):
         compute(1, x, None)
+
+
+def test_native_compute_step_enters_the_context_once() -> None:
+    cfg = AFDConfig.from_mapping({"role": "ffn", "port": 9})
+    ctx = _Ctx()
+    compute = select_ffn_compute(cfg, _Model(), ctx)
+    assert isinstance(compute, SteppedFFNCompute)
+    x = torch.arange(6.0).reshape(3, 2)
+    with compute.step(5):
+        assert torch.is_inference_mode_enabled()
+        assert torch.equal(compute(0, x, None), x * 2)
+        assert torch.equal(compute(0, x[:2], None), x[:2] * 2)
+        with pytest.raises(RuntimeError, match="not reentrant"), compute.step(1):
+            pass
+    assert ctx.calls == [5]  # one context for the step's two calls, sized by the step
+    assert torch.equal(compute(0, x, None), x * 2)  # outside a step: a context of its own
+    assert ctx.calls == [5, 3]
+    with pytest.raises(RuntimeError, match=r"layer 1 returned shape=\(1, 2\)"), compute.step(3):
+        compute(1, x, None)
+    assert ctx.calls == [5, 3, 3]
+    with compute.step(2):  # the failed step closed its scope
+        compute(0, x, None)
+    assert ctx.calls == [5, 3, 3, 2]
 
 
 def test_compute_selection_errors() -> None:

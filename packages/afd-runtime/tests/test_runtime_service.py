@@ -41,7 +41,7 @@ def _run(
                 p.start()
             for p in procs:
                 p.join(200)
-        for _ in range(num_attention * sessions + 1):
+        for _ in range(num_attention * sessions + 2):
             name, a, b = q.get(timeout=200)
             out[name] = (a, b)
         ffn.join(30)
@@ -59,6 +59,9 @@ def test_service_batches_two_attention_ranks_per_layer() -> None:
     # 3 steps, 2 layers: one compute call per layer per step over both ranks' tokens.
     tokens = sum(2 * n + 1 for n in ranks.STEPS) * len(ranks.LAYERS)
     assert out["ffn"] == ((3, 3 * len(ranks.LAYERS), tokens, 1), None)
+    # Every call ran inside its step's scope, entered once per step with the step's batch.
+    steps = [(2 * n + 1, len(ranks.LAYERS)) for n in ranks.STEPS]
+    assert out["ffn-steps"] == (steps, 0)
 
 
 @pytest.mark.timeout(240)

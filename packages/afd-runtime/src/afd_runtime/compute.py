@@ -6,6 +6,10 @@ forward context, exactly the op plain vLLM runs. afd-compute-npu's Layered / Meg
 here next: implement :class:`FFNCompute` and add its name (one of
 :data:`afd_core.config.FFN_COMPUTE_KINDS`) to :data:`FFN_COMPUTE_NAMES`.
 
+The service loop enters :meth:`NativeFusedMoECompute.step` once per step (vLLM's forward context
+costs tens of microseconds to build, more than a small batch's expert pass on a CPU), and every
+layer's call of that step runs inside it.
+
 Invariants:
 * ``FFNCompute.__call__`` returns a tensor of the same shape and dtype as ``hidden_states`` and
   does not retain its inputs.
@@ -15,8 +19,8 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Final, Protocol, runtime_checkable
 
 import torch
@@ -55,6 +59,14 @@ class FFNCompute(Protocol):
     ) -> torch.Tensor: ...
 
 
+@runtime_checkable
+class SteppedFFNCompute(FFNCompute, Protocol):
+    """An :class:`FFNCompute` with per-step state: the service loop runs every call of a step
+    inside ``step(num_tokens)`` (``num_tokens``: the most tokens one call of the step gets)."""
+
+    def step(self, num_tokens: int) -> AbstractContextManager[object]: ...
+
+
 StepContext = Callable[[int], AbstractContextManager[object]]
 
 
@@ -62,6 +74,7 @@ class NativeFusedMoECompute:
     """The parity path: the adapter's vLLM ``FusedMoE`` under a vLLM forward context.
 
     ``step_context(num_tokens)`` must install whatever the op needs (vLLM's forward context).
+    Inside :meth:`step` every call reuses the step's context; a call outside one enters its own.
     """
 
     name: Final[str] = "native"
@@ -69,12 +82,28 @@ class NativeFusedMoECompute:
     def __init__(self, model: AFDFFNModel, step_context: StepContext) -> None:
         self._model = model
         self._step_context = step_context
+        self._in_step = False
+
+    @contextmanager
+    def step(self, num_tokens: int) -> Iterator[None]:
+        """Run the calls of one step inside one inference-mode block and forward context."""
+        if self._in_step:
+            raise RuntimeError("NativeFusedMoECompute.step() is not reentrant")
+        with torch.inference_mode(), self._step_context(num_tokens):
+            self._in_step = True
+            try:
+                yield
+            finally:
+                self._in_step = False
 
     def __call__(
         self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
     ) -> torch.Tensor:
-        with torch.inference_mode(), self._step_context(hidden_states.shape[0]):
+        if self._in_step:
             out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits)
+        else:
+            with torch.inference_mode(), self._step_context(hidden_states.shape[0]):
+                out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits)
         if out.shape != hidden_states.shape or out.dtype != hidden_states.dtype:
             raise RuntimeError(
                 f"FFN layer {layer_idx} returned shape={tuple(out.shape)} dtype={out.dtype}; "

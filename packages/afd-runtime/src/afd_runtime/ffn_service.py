@@ -58,7 +58,7 @@ from afd_core.errors import (
 from afd_core.metadata import AFDControlMessage, AFDPayload
 from afd_core.topology import AFDTopology
 
-from afd_runtime.compute import FFNCompute
+from afd_runtime.compute import FFNCompute, SteppedFFNCompute
 
 logger = logging.getLogger(__name__)
 
@@ -257,6 +257,15 @@ class FFNService:
             self._print_stats()
 
     def _serve_step(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
+        compute = self.compute
+        if isinstance(compute, SteppedFFNCompute):
+            largest = max((sum(c) for c in msg.stage_token_counts), default=0)
+            with compute.step(largest):
+                self._serve_layers(connector, msg)
+        else:
+            self._serve_layers(connector, msg)
+
+    def _serve_layers(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
         stats = self.stats
         for layer in self.layer_indices:
             for stage in range(msg.num_stages):

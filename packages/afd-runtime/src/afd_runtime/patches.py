@@ -5,7 +5,8 @@
    :func:`afd_runtime.workers.afd_worker_qualname`); for the FFN role also disable prefix caching
    (there is no KV cache to cache into); raise vLLM's default ``shutdown_timeout`` of 0 to
    :data:`AFD_SHUTDOWN_TIMEOUT_S` so SIGTERM stops workers gracefully instead of force-killing
-   them. Without AFD config: unchanged.
+   them; on the CPU platform run the engine's one worker in the engine core process
+   (:func:`in_process_executor`). Without AFD config: unchanged.
 2. ``EngineCoreProc.run_busy_loop``: for the FFN role, run :func:`ffn_busy_loop` instead of the
    scheduler loop. It serves only client control requests (utility calls, shutdown) between
    bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
@@ -44,8 +45,41 @@ AFD_SHUTDOWN_TIMEOUT_S: Final[int] = 10
 _MARK: Final[str] = "_afd_patched"
 
 
-def select_afd_worker(vllm_config: Any) -> None:
-    """Point ``parallel_config.worker_cls`` at the AFD worker when AFD is configured."""
+def in_process_executor(parallel_config: Any, requested_backend: Any, on_cpu: bool) -> bool:
+    """Run an AFD engine's one worker inside its engine core process (vLLM's ``uni`` executor).
+
+    vLLM's CPU platform forces the multiprocess executor even for one worker. The engine core
+    then waits for every step's result in vLLM's shm reader, which busy-spins (``sched_yield``)
+    between the steps' reads, so it spins for the whole step, and an AFD step is mostly waiting
+    for the peer role: on a small host that spinning core is the one the peer needs (measured on
+    2 cores, 1:1: the Attention engine core at ~85 % of a core while its worker waited on the
+    FFN). In-process, the thread that waits for the peer sleeps in the transport. vLLM runs a
+    one-worker engine in-process on its other platforms already, so only CPU changes; a backend
+    the user chose (``--distributed-executor-backend``) is kept, and so is any engine with more
+    than one worker (AFD refuses TP/PP > 1 anyway). Returns True when it selected ``uni``.
+
+    vLLM's CPU thread binding (``VLLM_CPU_OMP_THREADS_BIND``) is applied when the multiprocess
+    executor spawns its worker; in-process it does not apply: size and place the OpenMP threads
+    with ``OMP_NUM_THREADS`` (and ``taskset``/``numactl``), or pass
+    ``--distributed-executor-backend mp`` to get vLLM's CPU default back.
+    """
+    if not on_cpu or requested_backend is not None:
+        return False
+    if int(getattr(parallel_config, "world_size", 1)) != 1:
+        return False
+    if parallel_config.distributed_executor_backend not in (None, "mp", "uni"):
+        return False
+    parallel_config.distributed_executor_backend = "uni"
+    return True
+
+
+def select_afd_worker(
+    vllm_config: Any, requested_backend: Any = None, on_cpu: bool = False
+) -> None:
+    """Point ``parallel_config.worker_cls`` at the AFD worker when AFD is configured.
+
+    ``requested_backend``: the ``--distributed-executor-backend`` the user gave (``None``:
+    none); ``on_cpu``: vLLM's current platform is CPU (see :func:`in_process_executor`)."""
     cfg = parse_afd_config(getattr(vllm_config, "additional_config", None))
     if cfg is None:
         return
@@ -62,7 +96,13 @@ def select_afd_worker(vllm_config: Any) -> None:
     if getattr(vllm_config, "shutdown_timeout", None) == 0:
         # Give engines time to stop their workers (AFD goodbye, no force kill) on SIGTERM.
         vllm_config.shutdown_timeout = AFD_SHUTDOWN_TIMEOUT_S
-    logger.info("AFD role=%s worker_cls=%s", cfg.role.value, pc.worker_cls)
+    in_process_executor(pc, requested_backend, on_cpu)
+    logger.info(
+        "AFD role=%s worker_cls=%s executor=%s",
+        cfg.role.value,
+        pc.worker_cls,
+        pc.distributed_executor_backend,
+    )
 
 
 def _afd_role(engine_core: Any) -> AFDRole | None:
@@ -91,7 +131,8 @@ def ffn_busy_loop(engine_core: Any) -> None:
     """The FFN engine's loop: client control requests between waits on the service loop."""
     from vllm.v1.engine import EngineCoreRequestType
 
-    if not quiet_rpc_readers(engine_core.model_executor):
+    executor = engine_core.model_executor
+    if hasattr(executor, "response_mqs") and not quiet_rpc_readers(executor):
         logger.warning("AFD FFN engine: vLLM's RPC readers not found; they keep spinning")
     engine_core.collective_rpc("afd_ffn_start")
     while engine_core.is_running():
@@ -118,8 +159,14 @@ def apply_vllm_patches() -> None:
 
         @functools.wraps(original_create)
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+            from vllm.platforms import current_platform
+
             vllm_config = original_create(self, *args, **kwargs)
-            select_afd_worker(vllm_config)
+            select_afd_worker(
+                vllm_config,
+                requested_backend=self.distributed_executor_backend,
+                on_cpu=current_platform.is_cpu(),
+            )
             return vllm_config
 
         setattr(create_engine_config, _MARK, True)

@@ -207,8 +207,9 @@ class AFDFFNWorkerMixin:
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
     def initialize_from_config(self, kv_cache_config: Any) -> None:
-        # No KV cache on the FFN role: nothing to allocate.
-        self.vllm_config.cache_config.num_gpu_blocks = 0
+        # No KV cache on the FFN role: nothing to allocate. The engine's block count is left
+        # alone: with the in-process executor the engine core shares this config object.
+        return None
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(FFN_EXECUTE_ERROR)
