@@ -7,6 +7,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from afd_core.errors import AFDConfigError
 from afd_runtime import patches
 from afd_runtime.vllm_compat import UnsupportedVLLMError, check_vllm_version
 from afd_runtime.workers import AFD_WORKERS, afd_worker_qualname
@@ -103,6 +104,27 @@ def test_select_afd_worker_per_role() -> None:
     assert attn.parallel_config.worker_cls == AFD_WORKERS[CPU][0]
     assert attn.cache_config.enable_prefix_caching is True
     assert attn.shutdown_timeout == 3
+
+
+def test_data_parallelism_must_match_the_topology() -> None:
+    afd = {"role": "attention", "port": 1, "num_attention_ranks": 2}
+    cfg = _vllm_config(afd)  # no --data-parallel-size: one engine for two ranks
+    with pytest.raises(AFDConfigError) as err:
+        patches.select_afd_worker(cfg, on_cpu=True)
+    assert (err.value.field, err.value.value) == ("num_attention_ranks", 2)
+    assert "--data-parallel-size (1)" in str(err.value)
+    assert cfg.parallel_config.worker_cls == CPU  # refused before anything changed
+    cfg.parallel_config.data_parallel_size = 2
+    patches.select_afd_worker(cfg, on_cpu=True)
+    assert cfg.parallel_config.worker_cls == AFD_WORKERS[CPU][0]
+    ffn = _vllm_config({"role": "ffn", "port": 1, "num_attention_ranks": 2})
+    ffn.parallel_config.data_parallel_size = 2
+    with pytest.raises(AFDConfigError) as err:
+        patches.select_afd_worker(ffn, on_cpu=True)
+    assert (err.value.field, err.value.value) == ("--data-parallel-size", 2)
+    ffn.parallel_config.data_parallel_size = 1
+    patches.select_afd_worker(ffn, on_cpu=True)
+    assert ffn.parallel_config.worker_cls == AFD_WORKERS[CPU][1]
 
 
 def test_select_afd_worker_rejects_class_objects() -> None:

@@ -6,7 +6,8 @@
    (there is no KV cache to cache into); raise vLLM's default ``shutdown_timeout`` of 0 to
    :data:`AFD_SHUTDOWN_TIMEOUT_S` so SIGTERM stops workers gracefully instead of force-killing
    them; on the CPU platform run the engine's one worker in the engine core process
-   (:func:`in_process_executor`). Without AFD config: unchanged.
+   (:func:`in_process_executor`); refuse data parallelism that cannot match the AFD topology
+   (:func:`check_role_parallelism`). Without AFD config: unchanged.
 2. ``EngineCoreProc.run_busy_loop``: for the FFN role, run :func:`ffn_busy_loop` instead of the
    scheduler loop. It serves only client control requests (utility calls, shutdown) between
    bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
@@ -29,7 +30,8 @@ import functools
 import logging
 from typing import Any, Final
 
-from afd_core.config import AFDRole, parse_afd_config
+from afd_core.config import AFDConfig, AFDRole, parse_afd_config
+from afd_core.errors import AFDConfigError
 
 from afd_runtime.vllm_compat import check_vllm_version
 from afd_runtime.workers import afd_worker_qualname
@@ -73,6 +75,32 @@ def in_process_executor(parallel_config: Any, requested_backend: Any, on_cpu: bo
     return True
 
 
+def check_role_parallelism(cfg: AFDConfig, parallel_config: Any) -> None:
+    """Refuse, before any engine starts, a role whose vLLM data parallelism cannot match the AFD
+    topology (a mismatch otherwise shows up as a role waiting for ranks that never come).
+
+    The Attention role runs ``num_attention_ranks`` ranks as vLLM data-parallel engines, so
+    ``--data-parallel-size`` must equal it; an FFN server is one FFN rank (``--data-parallel-size``
+    1: vLLM's data-parallel engine loop would bypass the FFN service loop)."""
+    dp = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    if cfg.role is AFDRole.ATTENTION and dp != cfg.num_attention_ranks:
+        raise AFDConfigError(
+            "num_attention_ranks",
+            cfg.num_attention_ranks,
+            f"the Attention server's --data-parallel-size ({dp})",
+            detail="each Attention rank is one vLLM data-parallel engine; start the Attention "
+            f"role with --data-parallel-size {cfg.num_attention_ranks} or set "
+            f"num_attention_ranks={dp} on both roles",
+        )
+    if cfg.role is AFDRole.FFN and dp != 1:
+        raise AFDConfigError(
+            "--data-parallel-size",
+            dp,
+            "1 on the FFN role",
+            detail="an FFN server serves one FFN rank; do not pass --data-parallel-size to it",
+        )
+
+
 def select_afd_worker(
     vllm_config: Any, requested_backend: Any = None, on_cpu: bool = False
 ) -> None:
@@ -84,6 +112,7 @@ def select_afd_worker(
     if cfg is None:
         return
     pc = vllm_config.parallel_config
+    check_role_parallelism(cfg, pc)
     current = pc.worker_cls
     if not isinstance(current, str):
         raise ValueError(
