@@ -20,7 +20,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Final, Protocol, runtime_checkable
 
 import torch
@@ -99,11 +99,9 @@ class NativeFusedMoECompute:
     def __call__(
         self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
     ) -> torch.Tensor:
-        if self._in_step:
+        scope = nullcontext() if self._in_step else self.step(hidden_states.shape[0])
+        with scope:
             out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits)
-        else:
-            with torch.inference_mode(), self._step_context(hidden_states.shape[0]):
-                out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits)
         if out.shape != hidden_states.shape or out.dtype != hidden_states.dtype:
             raise RuntimeError(
                 f"FFN layer {layer_idx} returned shape={tuple(out.shape)} dtype={out.dtype}; "

@@ -131,6 +131,8 @@ class FFNService:
         self.num_peers = len(topology.attention_ranks_for(ffn_rank))
         self.layer_indices = tuple(layer_indices)
         self.compute = compute
+        # Decided once: a stepped compute gets one scope per step (see _serve_step).
+        self._step_scope = compute.step if isinstance(compute, SteppedFFNCompute) else None
         self._factory = connector_factory
         self._connector: AFDConnectorBase | None = None
         self._stop = threading.Event()
@@ -257,12 +259,11 @@ class FFNService:
             self._print_stats()
 
     def _serve_step(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
-        compute = self.compute
-        if isinstance(compute, SteppedFFNCompute):
-            largest = max((sum(c) for c in msg.stage_token_counts), default=0)
-            with compute.step(largest):
-                self._serve_layers(connector, msg)
-        else:
+        scope = self._step_scope
+        if scope is None:
+            self._serve_layers(connector, msg)
+            return
+        with scope(max((sum(c) for c in msg.stage_token_counts), default=0)):
             self._serve_layers(connector, msg)
 
     def _serve_layers(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
