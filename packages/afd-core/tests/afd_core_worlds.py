@@ -667,3 +667,81 @@ def recv_window_rank(rank: int, port: int) -> dict[str, Any]:
         conn.recv_control()
     conn.close()
     return out
+
+
+def dispatch_rows(n: int, layer: int, ffn_rank: int, num_ffn: int) -> list[int]:
+    """Rows of an ``n``-token batch dispatched to ``ffn_rank``: overlapping between ranks (a
+    token goes to one or two ranks), and none at all for the last rank at layer 1."""
+    if layer == 1 and ffn_rank == num_ffn - 1:
+        return []
+    return [i for i in range(n) if (i + ffn_rank) % num_ffn == 0 or i % 3 == 0]
+
+
+def _select(payload: AFDPayload, rows: list[int]) -> AFDPayload:
+    index = torch.tensor(rows, dtype=torch.int64)
+    return AFDPayload(**{k: t.index_select(0, index) for k, t in payload.tensors().items()})
+
+
+def dispatch_rank(
+    rank: int, port: int, a: int, f: int, variants: list[str], steps: int, seed: int
+) -> dict[str, Any]:
+    """Expert-parallel round trips: each Attention rank dispatches overlapping row subsets to
+    every FFN rank (one rank gets none at layer 1); exact checks on both sides."""
+    topo = AFDTopology(a, f)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, a, f, compute_gate_on_attention=True, ffn_rank=0)
+    if role is AFDRole.FFN:
+        cfg = _config(role, port, a, f, compute_gate_on_attention=True, ffn_rank=role_rank)
+    report: dict[str, Any] = {"role": str(role), "checked": 0, "mismatches": [], "empty": 0}
+    for variant in variants:
+        spec = spec_for(variant)
+        conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=NUM_LAYERS)
+        conn.init()
+        for step in range(steps):
+            counts = token_counts(seed, step, a, allow_zero=a > 1)
+            if role is AFDRole.ATTENTION:
+                conn.send_control(AFDControlMessage(tuple((c[role_rank],) for c in counts)))
+                for layer in range(NUM_LAYERS):
+                    pending = []
+                    for stage in range(NUM_STAGES):
+                        n = counts[stage][role_rank]
+                        full = make_payload(spec, seed, step, layer, stage, role_rank, n)
+                        parts = [_select(full, dispatch_rows(n, layer, r, f)) for r in range(f)]
+                        meta = AFDTransferMetadata(layer, stage, tuple(p.num_tokens for p in parts))
+                        pending.append((conn.send_dispatch(parts, meta), parts))
+                    for stage, (handle, parts) in enumerate(pending):
+                        outs = conn.recv_combine(handle)
+                        for r, (out, part) in enumerate(zip(outs, parts, strict=True)):
+                            report["checked"] += 1
+                            if not torch.equal(out, ffn_reply(part, layer)):
+                                report["mismatches"].append((variant, step, layer, stage, r))
+            else:
+                ctl = conn.recv_control()
+                for layer in range(NUM_LAYERS):
+                    for stage in range(NUM_STAGES):
+                        meta, payloads = conn.recv_dispatch(layer, stage)
+                        for arank, got in enumerate(payloads):
+                            n = counts[stage][arank]
+                            full = make_payload(spec, seed, step, layer, stage, arank, n)
+                            exp = _select(full, dispatch_rows(n, layer, role_rank, f))
+                            report["checked"] += 1
+                            report["empty"] += got.num_tokens == 0
+                            if meta.num_tokens[arank] != exp.num_tokens:
+                                report["mismatches"].append((variant, step, layer, "count"))
+                            for name, t in exp.tensors().items():
+                                if not torch.equal(getattr(got, name), t):
+                                    report["mismatches"].append((variant, step, layer, name))
+                        conn.send_ffn_output([ffn_reply(p, layer) for p in payloads], meta)
+                assert ctl.num_stages == NUM_STAGES
+        if role is AFDRole.ATTENTION:
+            conn.send_control(AFDControlMessage.shutdown_message())
+        else:
+            report["shutdown"] = conn.recv_control().shutdown
+        conn.close()
+    return report
+
+
+def dispatch_by_role(proc: int, port: int, a: int, f: int, *args: Any) -> dict[int, Any]:
+    """Process 0 hosts the Attention ranks, process 1 the FFN ranks (one thread per rank)."""
+    ranks = range(a) if proc == 0 else range(a, a + f)
+    return run_threads(dispatch_rank, ranks, port, a, f, *args)

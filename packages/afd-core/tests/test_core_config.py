@@ -42,6 +42,7 @@ def test_full_mapping_and_roundtrip() -> None:
         "port": 4000,
         "num_attention_ranks": 5,
         "num_ffn_ranks": 3,
+        "ffn_rank": 2,
         "compute_gate_on_attention": True,
         "timeout_s": 7,
         "startup_timeout_s": "30",
@@ -118,7 +119,7 @@ INVALID: list[tuple[str, Any]] = [
     ("num_ffn_ranks", 0),
     ("num_ffn_ranks", True),
     ("num_ffn_ranks", 1.0),
-    ("num_ffn_ranks", 2),  # > num_attention_ranks (1)
+    ("ffn_rank", 1),  # an FFN-role field, not 0 on the Attention role
     ("compute_gate_on_attention", 1),
     ("compute_gate_on_attention", 0),
     ("compute_gate_on_attention", "maybe"),
@@ -157,10 +158,34 @@ def test_every_invalid_value_names_field(field: str, value: Any) -> None:
     assert "allowed" in str(info.value)
 
 
-def test_ffn_more_than_attention_names_num_ffn_ranks() -> None:
+def test_expert_parallel_requires_the_gate_on_attention() -> None:
     with pytest.raises(AFDConfigError) as info:
-        cfg(num_attention_ranks=2, num_ffn_ranks=3)
-    assert info.value.field == "num_ffn_ranks" and info.value.value == 3
+        cfg(num_attention_ranks=2, num_ffn_ranks=2)
+    assert info.value.field == "compute_gate_on_attention" and info.value.value is False
+    assert "num_ffn_ranks=2" in str(info.value)
+    # A < F is allowed (experts can outgrow attention).
+    c = cfg(num_attention_ranks=1, num_ffn_ranks=3, compute_gate_on_attention=True)
+    assert c.num_ffn_ranks == 3
+
+
+@pytest.mark.parametrize(
+    ("kw", "value"),
+    [
+        ({"role": "ffn", "num_ffn_ranks": 2, "ffn_rank": 2}, 2),
+        ({"role": "ffn", "ffn_rank": -1}, -1),
+        ({"role": "ffn", "ffn_rank": True}, True),
+        ({"role": "attention", "num_ffn_ranks": 2, "ffn_rank": 1}, 1),
+    ],
+)
+def test_ffn_rank_checked(kw: dict[str, object], value: object) -> None:
+    raw = {"compute_gate_on_attention": True, **kw}
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping(raw)
+    assert info.value.field == "ffn_rank" and info.value.value == value
+    ok = AFDConfig.from_mapping(
+        {"role": "ffn", "num_ffn_ranks": 2, "ffn_rank": "1", "compute_gate_on_attention": True}
+    )
+    assert ok.ffn_rank == 1
 
 
 @pytest.mark.parametrize(
@@ -267,16 +292,17 @@ def test_parse_afd_config() -> None:
 
 
 def test_agreement_hash_covers_exactly_the_shared_fields() -> None:
-    base = cfg(num_attention_ranks=4, num_ffn_ranks=2)
+    base = cfg(num_attention_ranks=4, num_ffn_ranks=2, compute_gate_on_attention=True)
     same = [
         {"role": "ffn"},
+        {"role": "ffn", "ffn_rank": 1},  # each FFN rank says which it is
         {"timeout_s": 1.0},
         {"startup_timeout_s": 5.0},
         {"ffn_compute": "layered"},  # an FFN-local choice
     ]
     different = [
         {"connector_extra_config": {"check_sequence": True}},
-        {"compute_gate_on_attention": True},
+        {"compute_gate_on_attention": False, "num_ffn_ranks": 1},
         {"num_attention_ranks": 3},
         {"num_ffn_ranks": 1},
         {"port": 1240},

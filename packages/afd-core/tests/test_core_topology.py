@@ -1,43 +1,23 @@
-"""AFDTopology: world layout and the balanced assignment, exhaustively for A, F <= 8."""
+"""AFDTopology (world layout, all-to-all exchange) and ExpertMap, exhaustively for small A, F, E."""
 
 from __future__ import annotations
 
 import itertools
 
 import pytest
+import torch
 from afd_core.config import AFDConfig, AFDConfigError, AFDRole
+from afd_core.expert_map import ExpertMap
 from afd_core.topology import AFDTopology
 
-PAIRS = [(a, f) for a, f in itertools.product(range(1, 9), repeat=2) if a >= f]
+PAIRS = list(itertools.product(range(1, 9), repeat=2))
 
 
 @pytest.mark.parametrize(("a", "f"), PAIRS)
-def test_assignment_invariants(a: int, f: int) -> None:
+def test_world_layout_and_all_to_all_peers(a: int, f: int) -> None:
     topo = AFDTopology(a, f)
     assert topo.world_size == a + f
-    groups = [topo.attention_ranks_for(r) for r in range(f)]
-    # A partition of 0..A-1 into F consecutive, ordered, non-empty groups.
-    assert [x for g in groups for x in g] == list(range(a))
-    for g in groups:
-        assert g and list(g) == list(range(g[0], g[0] + len(g)))
-        assert len(g) in (a // f, -(-a // f))
-    # Documented formula.
-    for r, g in enumerate(groups):
-        assert g == tuple(range(r * a // f, (r + 1) * a // f))
-    # ffn_rank_for is the inverse; index_in_group is the position.
-    for r, g in enumerate(groups):
-        for pos, att in enumerate(g):
-            assert topo.ffn_rank_for(att) == r
-            assert topo.index_in_group(att) == pos
-    # Divisible case equals afd-plugin's [f*r, (f+1)*r).
-    if a % f == 0:
-        ratio = a // f
-        assert groups == [tuple(range(r * ratio, (r + 1) * ratio)) for r in range(f)]
-
-
-@pytest.mark.parametrize(("a", "f"), PAIRS)
-def test_world_layout_attention_first(a: int, f: int) -> None:
-    topo = AFDTopology(a, f)
+    assert topo.expert_parallel is (f > 1)
     seen = []
     for role, size in ((AFDRole.ATTENTION, a), (AFDRole.FFN, f)):
         for rr in range(size):
@@ -45,21 +25,13 @@ def test_world_layout_attention_first(a: int, f: int) -> None:
             assert topo.role_of(w) == (role, rr)
             seen.append(w)
     assert seen == list(range(a + f))
-    assert topo.world_rank(AFDRole.ATTENTION, a - 1) == a - 1
     assert topo.world_rank("ffn", 0) == a
     for rr in range(f):
-        peers = topo.peers_of(AFDRole.FFN, rr)
-        assert peers == tuple(topo.attention_ranks_for(rr))
+        assert topo.attention_ranks_for(rr) == tuple(range(a))
+        assert topo.peers_of(AFDRole.FFN, rr) == tuple(range(a))
     for rr in range(a):
-        assert topo.peers_of(AFDRole.ATTENTION, rr) == (a + topo.ffn_rank_for(rr),)
-
-
-@pytest.mark.parametrize(("a", "f"), [(a, f) for a in range(1, 9) for f in range(a + 1, 10)])
-def test_fewer_attention_than_ffn_rejected(a: int, f: int) -> None:
-    with pytest.raises(AFDConfigError) as info:
-        AFDTopology(a, f)
-    assert info.value.field == "num_ffn_ranks"
-    assert info.value.value == f
+        assert topo.ffn_ranks_for(rr) == tuple(range(f))
+        assert topo.peers_of(AFDRole.ATTENTION, rr) == tuple(range(a, a + f))
 
 
 @pytest.mark.parametrize(
@@ -85,8 +57,8 @@ def test_role_rank_range_checked() -> None:
         lambda: topo.world_rank(AFDRole.FFN, 2),
         lambda: topo.world_rank(AFDRole.FFN, -1),
         lambda: topo.attention_ranks_for(2),
-        lambda: topo.ffn_rank_for(3),
-        lambda: topo.ffn_rank_for(True),
+        lambda: topo.ffn_ranks_for(3),
+        lambda: topo.ffn_ranks_for(True),
     ):
         with pytest.raises(AFDConfigError) as info:
             call()
@@ -99,8 +71,76 @@ def test_role_rank_range_checked() -> None:
     assert info.value.field == "role"
 
 
-def test_from_config() -> None:
-    c = AFDConfig(role=AFDRole.FFN, num_attention_ranks=5, num_ffn_ranks=2)
+def test_from_config_and_fewer_attention_than_ffn() -> None:
+    c = AFDConfig(
+        role=AFDRole.FFN,
+        num_attention_ranks=1,
+        num_ffn_ranks=3,
+        ffn_rank=2,
+        compute_gate_on_attention=True,
+    )
     topo = AFDTopology.from_config(c)
-    assert topo == AFDTopology(5, 2)
-    assert topo.attention_ranks_for(0) == (0, 1) and topo.attention_ranks_for(1) == (2, 3, 4)
+    assert topo == AFDTopology(1, 3)
+    assert topo.peers_of(AFDRole.ATTENTION, 0) == (1, 2, 3)
+
+
+@pytest.mark.parametrize(("e", "f"), [(e, f) for e in range(1, 17) for f in range(1, e + 1)])
+def test_contiguous_expert_map_is_balanced_and_complete(e: int, f: int) -> None:
+    emap = AFDTopology(1, f).expert_map(e)
+    assert emap == ExpertMap.contiguous(e, f)
+    assert emap.num_experts == e
+    ranges = [emap.local_experts(r) for r in range(f)]
+    # A partition of 0..E-1 into F contiguous, ordered ranges of floor/ceil(E/F) experts.
+    assert [x for g in ranges for x in g] == list(range(e))
+    for r, g in enumerate(ranges):
+        assert g == tuple(range(r * e // f, (r + 1) * e // f))
+        assert len(g) in (e // f, -(-e // f))
+        assert emap.contiguous_range(r) == range(g[0], g[-1] + 1)
+        for i, x in enumerate(g):
+            assert emap.owner(x) == r and emap.local_index(x) == i
+    assert emap.owner_table().tolist() == [emap.owner(x) for x in range(e)]
+
+
+def test_expert_map_rejects_bad_placements() -> None:
+    with pytest.raises(AFDConfigError) as info:
+        ExpertMap.contiguous(3, 4)
+    assert (info.value.field, info.value.value) == ("num_ffn_ranks", 4)
+    with pytest.raises(AFDConfigError) as info:
+        ExpertMap(2, (0, 0, 0))
+    assert info.value.field == "owners"
+    with pytest.raises(AFDConfigError) as info:
+        ExpertMap(2, (0, 2, 1))
+    assert (info.value.field, info.value.value) == ("owners[1]", 2)
+    with pytest.raises(AFDConfigError) as info:
+        ExpertMap.contiguous(4, 2).owner(4)
+    assert info.value.field == "expert"
+    with pytest.raises(AFDConfigError) as info:
+        ExpertMap.contiguous(4, 2).local_experts(2)
+    assert info.value.field == "ffn_rank"
+
+
+def test_non_contiguous_map() -> None:
+    emap = ExpertMap(2, (1, 0, 1, 0))
+    assert emap.local_experts(0) == (1, 3) and emap.local_experts(1) == (0, 2)
+    assert emap.contiguous_range(0) is None
+    assert emap.local_table(1).tolist() == [0, -1, 1, -1]
+
+
+def test_localise_keeps_own_slots_and_zeroes_the_rest() -> None:
+    emap = ExpertMap.contiguous(8, 2)  # rank 0: 0..3, rank 1: 4..7
+    ids = torch.tensor([[1, 6], [5, 4], [2, 3]], dtype=torch.int32)
+    w = torch.tensor([[0.7, 0.3], [0.6, 0.4], [0.5, 0.5]])
+    w0, i0 = emap.localise(0, w, ids)
+    assert i0.dtype == torch.int32
+    assert torch.equal(w0, torch.tensor([[0.7, 0.0], [0.0, 0.0], [0.5, 0.5]]))
+    assert i0.tolist() == [[1, 0], [0, 0], [2, 3]]
+    w1, i1 = emap.localise(1, w, ids)
+    assert torch.equal(w1, torch.tensor([[0.0, 0.3], [0.6, 0.4], [0.0, 0.0]]))
+    assert i1.tolist() == [[0, 2], [1, 0], [0, 0]]
+    # Fewer local experts than top_k: slots shrink to num_local, own slots first.
+    emap4 = ExpertMap.contiguous(4, 4)
+    w3, i3 = emap4.localise(3, torch.tensor([[0.2, 0.8]]), torch.tensor([[1, 3]]))
+    assert w3.tolist() == [[0.800000011920929]] and i3.tolist() == [[0]]
+    with pytest.raises(AFDConfigError) as info:
+        emap.localise(0, w, torch.tensor([[1, 8], [0, 0], [0, 0]], dtype=torch.int32))
+    assert info.value.field == "topk_ids"

@@ -2,14 +2,15 @@
 
 Invariants:
 * :class:`AFDConfig` is frozen and always valid: ``__post_init__`` checks every field (strict types,
-  ranges, topology ``num_attention_ranks >= num_ffn_ranks``, connector known and its
+  ranges, ``ffn_rank < num_ffn_ranks`` on the FFN role, the gate on Attention when
+  ``num_ffn_ranks > 1`` (expert parallelism), connector known, able to serve the topology and its
   ``connector_extra_config`` accepted by that connector) and raises :class:`AFDConfigError` naming
   the field, the value and what is allowed.
 * :meth:`AFDConfig.from_mapping` is the user-facing parser: unknown keys are rejected, afd-plugin
   aliases are accepted but an alias together with its canonical key is an error, and coercion is
   strict (``bool`` is never an int, ``float`` is never an int, ints are never booleans).
 * :meth:`AFDConfig.agreement_hash` covers exactly the fields both roles must agree on (everything
-  but :data:`LOCAL_FIELDS`: ``role``, the timeouts and ``ffn_compute``) and is stable across
+  but :data:`LOCAL_FIELDS`: ``role``, ``ffn_rank``, the timeouts and ``ffn_compute``) and is stable across
   processes and Python versions.
 """
 
@@ -49,6 +50,7 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "port",
     "num_attention_ranks",
     "num_ffn_ranks",
+    "ffn_rank",
     "compute_gate_on_attention",
     "timeout_s",
     "startup_timeout_s",
@@ -62,7 +64,13 @@ FFN_COMPUTE_KINDS: tuple[str, ...] = ("native", "layered", "mega")
 own vLLM ``FusedMoE``; ``layered`` / ``mega`` are afd-compute-npu's computes (the runtime says
 which of them it can serve)."""
 
-LOCAL_FIELDS: tuple[str, ...] = ("role", "timeout_s", "startup_timeout_s", "ffn_compute")
+LOCAL_FIELDS: tuple[str, ...] = (
+    "role",
+    "ffn_rank",
+    "timeout_s",
+    "startup_timeout_s",
+    "ffn_compute",
+)
 """Fields each process may set on its own: excluded from :meth:`AFDConfig.agreement_hash`."""
 
 CONFIG_ALIASES: Mapping[str, str] = MappingProxyType(
@@ -185,6 +193,7 @@ class AFDConfig:
     port: int = 1239
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
+    ffn_rank: int = 0
     compute_gate_on_attention: bool = False
     timeout_s: float = 120.0
     startup_timeout_s: float = 300.0
@@ -220,16 +229,25 @@ class AFDConfig:
         self._check_int("port", self.port, 1, 65535)
         self._check_int("num_attention_ranks", self.num_attention_ranks, 1, _MAX_RANKS)
         self._check_int("num_ffn_ranks", self.num_ffn_ranks, 1, _MAX_RANKS)
-        if self.num_ffn_ranks > self.num_attention_ranks:
-            raise AFDConfigError(
-                "num_ffn_ranks",
-                self.num_ffn_ranks,
-                f"at most num_attention_ranks={self.num_attention_ranks} "
-                "(every FFN rank must serve at least one Attention rank)",
-            )
         if not isinstance(self.compute_gate_on_attention, bool):
             raise AFDConfigError(
                 "compute_gate_on_attention", self.compute_gate_on_attention, "a bool"
+            )
+        if self.num_ffn_ranks > 1 and not self.compute_gate_on_attention:
+            # Expert parallelism dispatches each token to the FFN ranks holding its top-k
+            # experts, so the routing must be known where the tokens are: on Attention.
+            raise AFDConfigError(
+                "compute_gate_on_attention",
+                False,
+                f"true when num_ffn_ranks={self.num_ffn_ranks} > 1 (the FFN ranks hold disjoint "
+                "expert ranges; the Attention role routes each token to the ranks of its top-k "
+                "experts, so the gate must run there)",
+            )
+        if self.role is AFDRole.FFN:
+            self._check_int("ffn_rank", self.ffn_rank, 0, self.num_ffn_ranks - 1)
+        elif self.ffn_rank != 0 or isinstance(self.ffn_rank, bool):
+            raise AFDConfigError(
+                "ffn_rank", self.ffn_rank, "0 or absent on the Attention role (an FFN-role field)"
             )
         if (
             isinstance(self.timeout_s, bool)
@@ -268,6 +286,13 @@ class AFDConfig:
                 self.connector,
                 f"a registered connector name, one of {list(available_connectors())}",
             ) from None
+        if self.num_ffn_ranks > 1 and not connector_cls.supports_expert_parallel:
+            raise AFDConfigError(
+                "num_ffn_ranks",
+                self.num_ffn_ranks,
+                f"1 for connector {connector!r} (it does not dispatch to several expert-parallel "
+                "FFN ranks)",
+            )
         normalized = connector_cls.validate_extra_config(extra)
         object.__setattr__(self, "connector_extra_config", MappingProxyType(dict(normalized)))
 
@@ -331,7 +356,7 @@ class AFDConfig:
             kwargs["connector"] = _coerce_str("connector", canonical["connector"])
         if "host" in canonical:
             kwargs["host"] = _coerce_str("host", canonical["host"])
-        for name in ("port", "num_attention_ranks", "num_ffn_ranks"):
+        for name in ("port", "num_attention_ranks", "num_ffn_ranks", "ffn_rank"):
             if name in canonical:
                 kwargs[name] = _coerce_int(name, canonical[name])
         if "compute_gate_on_attention" in canonical:
@@ -357,6 +382,7 @@ class AFDConfig:
             "port": self.port,
             "num_attention_ranks": self.num_attention_ranks,
             "num_ffn_ranks": self.num_ffn_ranks,
+            "ffn_rank": self.ffn_rank,
             "compute_gate_on_attention": self.compute_gate_on_attention,
             "timeout_s": self.timeout_s,
             "startup_timeout_s": self.startup_timeout_s,

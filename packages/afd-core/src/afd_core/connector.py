@@ -100,6 +100,9 @@ class AFDConnectorBase(ABC):
 
     name: ClassVar[str] = "abstract"
     has_control_plane: ClassVar[bool] = False
+    #: True when the connector implements the expert-parallel data plane (``num_ffn_ranks >
+    #: 1``): ``send_dispatch``/``recv_combine`` and ``recv_dispatch``.
+    supports_expert_parallel: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -244,10 +247,32 @@ class AFDConnectorBase(ABC):
         served-rank order (split by ``metadata.num_tokens``).
         """
 
+    # -- expert-parallel data plane (optional; num_ffn_ranks > 1) ---------------------------
+
+    def send_dispatch(
+        self, payloads: Sequence[AFDPayload], metadata: AFDTransferMetadata
+    ) -> AFDTransferHandle:
+        """Attention side: send FFN rank ``f`` its ``payloads[f]`` (``metadata.num_tokens[f]``
+        rows, possibly 0) for one layer/stage; returns without waiting."""
+        raise AFDConnectorError(f"connector {self.name!r} has no expert-parallel data plane")
+
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
+        """Attention side: wait for ``handle``'s replies, one ``[num_tokens[f], hidden]``
+        tensor per FFN rank (a rank sent 0 rows answers with an empty tensor, off the wire)."""
+        raise AFDConnectorError(f"connector {self.name!r} has no expert-parallel data plane")
+
+    def recv_dispatch(
+        self, layer_idx: int, stage_idx: int
+    ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
+        """FFN side: receive what every served Attention rank dispatched to this rank for
+        ``layer_idx``/``stage_idx``: the metadata (one count per served rank, as sent) and one
+        payload per served rank. Reply with :meth:`send_ffn_output` and that metadata."""
+        raise AFDConnectorError(f"connector {self.name!r} has no expert-parallel data plane")
+
     # -- control plane (optional) ----------------------------------------------------------
 
     def send_control(self, message: AFDControlMessage) -> None:
-        """Attention side: announce the step's token counts (and flags) to the FFN rank."""
+        """Attention side: announce the step's token counts (and flags) to every FFN rank."""
         raise AFDConnectorError(f"connector {self.name!r} has no control plane")
 
     def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:

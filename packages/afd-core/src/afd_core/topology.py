@@ -1,4 +1,4 @@
-"""World layout and the Attention-to-FFN assignment for any ``A >= F``.
+"""World layout, who exchanges data with whom, and where the routed experts live.
 
 World layout (the connector's own world of ``A + F`` ranks): **Attention ranks first**, then FFN
 ranks::
@@ -6,15 +6,19 @@ ranks::
     world rank:  0 .. A-1            A .. A+F-1
     role:        attention 0..A-1    ffn 0..F-1
 
-Assignment (balanced, contiguous): FFN rank ``f`` serves the Attention ranks
-``[floor(f*A/F), floor((f+1)*A/F))``. Invariants (checked exhaustively in the tests):
+Exchange: every Attention rank exchanges data with every FFN rank (all to all). With ``F == 1``
+the FFN rank serves all ``A`` Attention ranks and computes each MoE layer once over their
+tokens. With ``F > 1`` the FFN ranks are **expert parallel**: rank ``f`` holds only its share of
+the routed experts (:meth:`AFDTopology.expert_map`), and each Attention rank dispatches a token
+to the FFN ranks that hold its top-k experts. ``A < F`` is allowed (experts can outgrow
+attention).
 
-* every Attention rank is served by exactly one FFN rank;
-* every FFN rank serves ``floor(A/F)`` or ``ceil(A/F)`` (hence at least one) Attention ranks;
-* served ranks are consecutive and FFN ranks are ordered like the Attention ranks they serve;
-* for ``A % F == 0`` this is afd-plugin's ``[f*r, (f+1)*r)`` with ``r = A // F``.
+Invariants (checked in the tests):
 
-``A < F`` is rejected with :class:`AFDConfigError` naming ``num_ffn_ranks``.
+* :meth:`AFDTopology.world_rank` and :meth:`AFDTopology.role_of` are inverse;
+* :meth:`AFDTopology.peers_of` of an Attention rank is every FFN world rank, of an FFN rank every
+  Attention world rank, both ascending;
+* :meth:`AFDTopology.expert_map` gives every routed expert exactly one FFN rank.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from dataclasses import dataclass
 
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.errors import AFDConfigError
+from afd_core.expert_map import ExpertMap
 
 __all__ = ["AFDTopology"]
 
@@ -48,14 +53,8 @@ class AFDTopology:
     num_ffn_ranks: int
 
     def __post_init__(self) -> None:
-        a = _check_count("num_attention_ranks", self.num_attention_ranks)
-        f = _check_count("num_ffn_ranks", self.num_ffn_ranks)
-        if f > a:
-            raise AFDConfigError(
-                "num_ffn_ranks",
-                f,
-                f"at most num_attention_ranks={a} (every FFN rank must serve an Attention rank)",
-            )
+        _check_count("num_attention_ranks", self.num_attention_ranks)
+        _check_count("num_ffn_ranks", self.num_ffn_ranks)
 
     @classmethod
     def from_config(cls, config: AFDConfig) -> AFDTopology:
@@ -102,31 +101,33 @@ class AFDTopology:
             return AFDRole.ATTENTION, world_rank
         return AFDRole.FFN, world_rank - self.num_attention_ranks
 
-    def _first_attention_rank(self, ffn_rank: int) -> int:
-        return ffn_rank * self.num_attention_ranks // self.num_ffn_ranks
+    @property
+    def expert_parallel(self) -> bool:
+        """True when the routed experts are split over several FFN ranks (``F > 1``)."""
+        return self.num_ffn_ranks > 1
 
     def attention_ranks_for(self, ffn_rank: int) -> tuple[int, ...]:
-        """Attention role ranks served by ``ffn_rank``, ascending (never empty)."""
+        """Attention role ranks served by ``ffn_rank``: all of them, ascending."""
         self.check_role_rank(AFDRole.FFN, ffn_rank)
-        return tuple(
-            range(self._first_attention_rank(ffn_rank), self._first_attention_rank(ffn_rank + 1))
-        )
+        return tuple(range(self.num_attention_ranks))
 
-    def ffn_rank_for(self, attention_rank: int) -> int:
-        """The FFN role rank serving ``attention_rank``."""
+    def ffn_ranks_for(self, attention_rank: int) -> tuple[int, ...]:
+        """FFN role ranks ``attention_rank`` sends to: all of them, ascending."""
         self.check_role_rank(AFDRole.ATTENTION, attention_rank)
-        # Largest f with floor(f*A/F) <= a  <=>  f*A < (a+1)*F.
-        return ((attention_rank + 1) * self.num_ffn_ranks - 1) // self.num_attention_ranks
+        return tuple(range(self.num_ffn_ranks))
 
     def peers_of(self, role: AFDRole | str, role_rank: int) -> tuple[int, ...]:
-        """World ranks this rank exchanges data with (its FFN rank, or its Attention ranks)."""
+        """World ranks this rank exchanges data with (every rank of the other role)."""
         if _role(role) is AFDRole.ATTENTION:
-            return (self.world_rank(AFDRole.FFN, self.ffn_rank_for(role_rank)),)
+            return tuple(
+                self.world_rank(AFDRole.FFN, f) for f in self.ffn_ranks_for(role_rank)
+            )
         return tuple(
             self.world_rank(AFDRole.ATTENTION, a) for a in self.attention_ranks_for(role_rank)
         )
 
-    def index_in_group(self, attention_rank: int) -> int:
-        """Position of ``attention_rank`` among the ranks its FFN rank serves."""
-        ffn = self.ffn_rank_for(attention_rank)
-        return attention_rank - self._first_attention_rank(ffn)
+    def expert_map(self, num_experts: int) -> ExpertMap:
+        """Where the ``num_experts`` routed experts live: balanced contiguous ranges over the
+        FFN ranks (:meth:`ExpertMap.contiguous`). Both roles take the map from here, so a
+        different placement (non-contiguous, EPLB) replaces it in one place."""
+        return ExpertMap.contiguous(num_experts, self.num_ffn_ranks)

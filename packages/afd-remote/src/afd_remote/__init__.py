@@ -6,6 +6,8 @@ Importing this package imports none of vLLM; connectors are taken from the AFD f
 * :class:`RemoteFFNProxy` -- parameter-free FFN stand-in: send -> DBO yield -> receive, plus the
   :meth:`~RemoteFFNProxy.dispatch` / :meth:`~RemoteFFNProxy.receive` split.
 * :class:`AFDAttentionFusedMoE` -- MoE experts stand-in for both gate placements.
+* :mod:`afd_remote.expert_dispatch` -- expert parallelism: which tokens go to which FFN rank
+  and how the partial outputs combine (fixed FFN-rank order).
 * :class:`RoutedTPPadding` and the pure functions of :mod:`afd_remote.routed_padding` -- each
   replicated token is dispatched by exactly one TP rank and the output is all-gathered back.
 """
@@ -13,6 +15,12 @@ Importing this package imports none of vLLM; connectors are taken from the AFD f
 from importlib.metadata import version as _version
 
 from afd_remote.errors import AFDRemoteError, UnsupportedPayloadFieldError
+from afd_remote.expert_dispatch import (
+    ExpertDispatchPlan,
+    combine_expert_outputs,
+    plan_expert_dispatch,
+    split_for_dispatch,
+)
 from afd_remote.fused_moe import AFDAttentionFusedMoE
 from afd_remote.proxy import RemoteFFNProxy, RemoteFFNTransfer
 from afd_remote.routed_padding import (
@@ -29,6 +37,7 @@ __version__ = _version("afd-remote")
 __all__ = [
     "AFDAttentionFusedMoE",
     "AFDRemoteError",
+    "ExpertDispatchPlan",
     "RemoteFFNProxy",
     "RemoteFFNTransfer",
     "RoutedDispatchLayout",
@@ -36,8 +45,11 @@ __all__ = [
     "RoutingFunction",
     "UnsupportedPayloadFieldError",
     "__version__",
+    "combine_expert_outputs",
+    "plan_expert_dispatch",
     "plan_routed_dispatch",
     "restore_dispatched_output",
     "slice_for_dispatch",
     "softmax_topk",
+    "split_for_dispatch",
 ]

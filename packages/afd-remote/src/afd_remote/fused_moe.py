@@ -12,6 +12,10 @@ Attention          ``topk_ids`` + ``topk_weights``  hidden states + top-k ids (i
                                                     weights (float32), computed here from the
                                                     router logits with ``routing_fn``
 any                ``input_ids``                    + the given ``input_ids`` (token-aligned)
+Attention, F > 1   ``topk_ids`` + ``topk_weights``  per FFN rank: the tokens routed to its
+                                                    experts with their global top-k ids and
+                                                    weights from the model's router
+                                                    (:meth:`AFDAttentionFusedMoE.dispatch_routed`)
 =================  ===============================  ==========================================
 
 Anything the layer is given but the connector cannot carry (router logits with nowhere to go,
@@ -25,9 +29,12 @@ from __future__ import annotations
 import torch
 from afd_core.connector import AFDConnectorBase
 from afd_core.errors import AFDPayloadError
+from afd_core.expert_map import ExpertMap
 from afd_core.forward_context import dbo_yield
+from afd_core.metadata import AFDPayload, AFDTransferMetadata
 
 from afd_remote.errors import AFDRemoteError, UnsupportedPayloadFieldError
+from afd_remote.expert_dispatch import plan_expert_dispatch, split_for_dispatch
 from afd_remote.payload import check_fields, check_rows, localise
 from afd_remote.proxy import RemoteFFNProxy, RemoteFFNTransfer
 from afd_remote.routed_padding import RoutedTPPadding
@@ -72,6 +79,7 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         if not callable(routing_fn):
             raise AFDRemoteError("routing_fn", routing_fn, "a callable (logits, top_k, renorm)")
         self.gate_on_attention = gate_on_attention
+        self._maps: dict[int, tuple[object, ExpertMap]] = {}
         self.top_k = top_k
         self.renormalize = renormalize
         self.routing_fn = routing_fn
@@ -134,7 +142,79 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         check_fields(connector, set(local))
         return self._send(connector, stage_idx, local, hidden_states.shape[0], layout)
 
+    def dispatch_routed(
+        self,
+        hidden_states: torch.Tensor,
+        topk_weights: torch.Tensor,
+        topk_ids: torch.Tensor,
+        num_experts: int,
+    ) -> RemoteFFNTransfer:
+        """Expert parallel (``num_ffn_ranks > 1``): send each FFN rank the tokens routed to its
+        experts, with their global top-k ids and weights (computed by the model's router here);
+        pair it with :meth:`receive`, which combines the partial outputs in FFN-rank order
+        (:func:`afd_remote.expert_dispatch.combine_expert_outputs`).
+
+        The placement is ``connector.topology.expert_map(num_experts)``, the one the FFN ranks
+        load their experts by.
+
+        Raises:
+            AFDContextError: no AFD forward metadata is installed.
+            AFDRemoteError: TP padding is set (not combined with expert parallelism), or the
+                connector has one FFN rank.
+            AFDPayloadError / UnsupportedPayloadFieldError: shapes or fields do not fit the
+                connector's spec (hidden states + top-k ids and weights).
+        """
+        connector, stage_idx = self._context()
+        if self.tp_padding is not None:
+            raise AFDRemoteError("tp_padding", self.tp_padding, "None with expert parallelism")
+        if not connector.topology.expert_parallel:
+            raise AFDRemoteError(
+                "num_ffn_ranks", 1, "> 1 for dispatch_routed (one FFN rank: dispatch_experts)"
+            )
+        tensors = {
+            "hidden_states": hidden_states,
+            "topk_weights": topk_weights,
+            "topk_ids": topk_ids,
+        }
+        check_rows(tensors)
+        check_fields(connector, set(tensors))
+        spec = connector.payload_spec
+        weights = topk_weights.to(spec.topk_weights_dtype)
+        ids = topk_ids.to(spec.topk_ids_dtype)
+        plan = plan_expert_dispatch(ids, self._expert_map(connector, num_experts))
+        parts = {
+            "hidden_states": split_for_dispatch(hidden_states, plan),
+            "topk_weights": split_for_dispatch(weights, plan, field="topk_weights"),
+            "topk_ids": split_for_dispatch(ids, plan, field="topk_ids"),
+        }
+        payloads = [
+            AFDPayload(
+                hidden_states=parts["hidden_states"][f],
+                topk_ids=parts["topk_ids"][f],
+                topk_weights=parts["topk_weights"][f],
+            )
+            for f in range(plan.num_ffn_ranks)
+        ]
+        metadata = AFDTransferMetadata(
+            layer_idx=self.layer_idx, stage_idx=stage_idx, num_tokens=plan.counts
+        )
+        handle = connector.send_dispatch(payloads, metadata)
+        return RemoteFFNTransfer(
+            connector=connector,
+            handle=handle,
+            metadata=metadata,
+            parent_tokens=int(hidden_states.shape[0]),
+            plan=plan,
+        )
+
     # -- internals -------------------------------------------------------------------------
+
+    def _expert_map(self, connector: AFDConnectorBase, num_experts: int) -> ExpertMap:
+        cached = self._maps.get(num_experts)
+        if cached is None or cached[0] is not connector.topology:
+            cached = (connector.topology, connector.topology.expert_map(num_experts))
+            self._maps[num_experts] = cached
+        return cached[1]
 
     def _routing_plan(
         self,

@@ -32,6 +32,7 @@ from afd_core.forward_context import current_stage_idx, dbo_yield, get_afd_forwa
 from afd_core.metadata import AFDPayload, AFDTransferMetadata
 
 from afd_remote.errors import AFDRemoteError
+from afd_remote.expert_dispatch import ExpertDispatchPlan, combine_expert_outputs
 from afd_remote.payload import check_fields, check_rows, localise
 from afd_remote.routed_padding import RoutedDispatchLayout, RoutedTPPadding
 
@@ -51,6 +52,7 @@ class RemoteFFNTransfer:
     parent_tokens: int
     layout: RoutedDispatchLayout | None = None
     tp_padding: RoutedTPPadding | None = None
+    plan: ExpertDispatchPlan | None = None
 
     @property
     def layer_idx(self) -> int:
@@ -138,6 +140,9 @@ class RemoteFFNProxy(torch.nn.Module):
         """
         if not isinstance(transfer, RemoteFFNTransfer):
             raise AFDRemoteError("transfer", type(transfer).__name__, "a RemoteFFNTransfer")
+        if transfer.plan is not None:
+            partials = transfer.connector.recv_combine(transfer.handle)
+            return combine_expert_outputs(partials, transfer.plan)
         output = transfer.connector.recv_ffn_output(transfer.handle)
         expected = transfer.metadata.num_tokens[0]
         if output.dim() == 0 or output.shape[0] != expected:

@@ -12,6 +12,7 @@ stage ahead, the rest queued in send order) and then a send per payload field, a
 from __future__ import annotations
 
 import collections
+from typing import Any
 
 import torch
 
@@ -50,22 +51,28 @@ class _AttentionSide(_P2PLifecycle):
                 "stage_token_counts", message.num_stages, f"at most {CONTROL_WORDS - 5} stages"
             )
         announced = None if message.shutdown else tuple(s[0] for s in message.stage_token_counts)
-        if announced is not None:
+        if announced is not None and not self._expert_parallel:
             self._check_peer_posted(announced)
         self._finish_control_send()
         _pack_control(self._control_bytes, words)
         wire = self._control_wire
-        self._announced = announced
+        if self._expert_parallel:  # the request/reply path stays closed (see send_attn_output)
+            self._ep_announced = announced
+        else:
+            self._announced = announced
+        works: list[tuple[Any, int]] = []
         dst = self._ffn_world_rank
         try:
-            work = self._ctl_pg.send([wire], dst, _CONTROL_TAG)
+            for dst in self._ffn_world_ranks:
+                works.append((self._ctl_pg.send([wire], dst, _CONTROL_TAG), dst))
         except RuntimeError as err:
+            works.clear()
             self._fail(err, "send_control", dst)
         # A step's control message completes in the background (the step's first reply cannot
         # arrive before the FFN rank got it, so recv_ffn_output finishes it at no cost); the
         # shutdown message is waited for here, since close() usually follows at once. Only
-        # ``self`` holds the work: after a failure nothing else may keep the groups alive.
-        self._control_send = (work, wire)
+        # ``self`` holds the works: after a failure nothing else may keep the groups alive.
+        self._control_send = (works, wire)
         if message.shutdown:
             self._finish_control_send()
 
@@ -73,7 +80,7 @@ class _AttentionSide(_P2PLifecycle):
         pending = self._control_send
         if pending is not None:
             self._control_send = None
-            self._wait([(pending[0], self._ffn_world_rank)], "send_control", self._timeout)
+            self._wait(pending[0], "send_control", self._timeout)
 
     def _check_peer_posted(self, announced: tuple[int, ...]) -> None:
         """Refuse a step whose count differs from a receive the FFN rank still has posted.
@@ -117,6 +124,11 @@ class _AttentionSide(_P2PLifecycle):
             and metadata.num_tokens == (announced[metadata.stage_idx],)
         ):
             self._check_ready(AFDRole.ATTENTION, "send_attn_output")
+            if self._expert_parallel:
+                raise AFDConnectorError(
+                    f"send_attn_output serves one FFN rank; with num_ffn_ranks="
+                    f"{self.topology.num_ffn_ranks} use send_dispatch / recv_combine"
+                )
             self._check_metadata(metadata, announced)
         n = metadata.num_tokens[0]
         self.payload_spec.validate_payload(payload, n, self._device_type)

@@ -1,7 +1,7 @@
 """The registered P2P connector class and its ``connector_extra_config`` keys.
 
 :class:`P2PConnector` puts the two roles' operations together (:mod:`afd_core.p2p.attention`,
-:mod:`afd_core.p2p.ffn`) on the shared state and lifecycle of :mod:`afd_core.p2p.lifecycle`.
+:mod:`afd_core.p2p.ffn`, and the expert-parallel data plane :mod:`afd_core.p2p.expert_parallel`) on the shared state and lifecycle of :mod:`afd_core.p2p.lifecycle`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from typing import Any
 
 from afd_core.errors import AFDConfigError
 from afd_core.p2p.attention import _AttentionSide
+from afd_core.p2p.expert_parallel import _ExpertParallelSide
 from afd_core.p2p.ffn import _FFNSide
 
 __all__ = ["P2PConnector"]
@@ -20,11 +21,12 @@ _INT_KEYS = frozenset({"recv_ahead_bytes"})
 _EXTRA_KEYS = _BOOL_KEYS | _INT_KEYS
 
 
-class P2PConnector(_AttentionSide, _FFNSide):
+class P2PConnector(_AttentionSide, _FFNSide, _ExpertParallelSide):
     """Point-to-point AFD connector on torch.distributed (see :mod:`afd_core.p2p`)."""
 
     name = "p2p"
     has_control_plane = True
+    supports_expert_parallel = True
 
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from afd_core.config import AFDRole
-from afd_core.errors import AFDConfigError, AFDPayloadError, AFDProtocolError
+from afd_core.errors import AFDConfigError, AFDConnectorError, AFDPayloadError, AFDProtocolError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
 from afd_core.p2p.groups import _LONG_WAIT
 from afd_core.p2p.lifecycle import _P2PLifecycle
@@ -80,6 +80,13 @@ class _FFNSide(_P2PLifecycle):
                 shutdown=first.shutdown,
             )
         )
+        if self._expert_parallel:
+            # The dispatch path (afd_core.p2p.expert_parallel) learns each layer's counts from
+            # its headers; the request/reply path stays closed (see recv_attn_output).
+            self._ep_control = None if merged.shutdown else merged
+            if not merged.shutdown:
+                self._control_posted = self._post_control_recv()
+            return merged
         self._control = None if merged.shutdown else merged
         if self._control is None:
             self._ahead_stages = frozenset()
@@ -222,6 +229,11 @@ class _FFNSide(_P2PLifecycle):
             and metadata.num_tokens == control.stage_token_counts[metadata.stage_idx]
         ):
             self._check_ready(AFDRole.FFN, "recv_attn_output")
+            if self._expert_parallel:
+                raise AFDConnectorError(
+                    f"recv_attn_output serves one FFN rank; with num_ffn_ranks="
+                    f"{self.topology.num_ffn_ranks} use recv_dispatch"
+                )
             self._check_metadata(metadata, None)
             self._expected_ffn_counts(metadata)
         stage = metadata.stage_idx

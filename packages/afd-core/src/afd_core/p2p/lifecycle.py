@@ -113,17 +113,26 @@ class _P2PLifecycle(AFDConnectorBase):
         # posted into the same buffer.
         self._control_bytes = bytearray(CONTROL_WORDS * 8)
         self._control_wire = torch.frombuffer(self._control_bytes, dtype=torch.int64)
-        self._control_send: tuple[Any, torch.Tensor] | None = None
+        self._control_send: tuple[list[tuple[Any, int]], torch.Tensor] | None = None
         self._control_posted: tuple[list[torch.Tensor], list[tuple[Any, int]]] | None = None
         topo = self.topology
+        # Expert parallel (F > 1): the data plane is send_dispatch / recv_combine /
+        # recv_dispatch (see afd_core.p2p.expert_parallel); with one FFN rank it is the
+        # request/reply path of the two sides.
+        self._expert_parallel = topo.expert_parallel
         if self.role is AFDRole.ATTENTION:
-            self._ffn_world_rank = topo.world_rank(AFDRole.FFN, topo.ffn_rank_for(role_rank))
+            self._ffn_world_ranks = topo.peers_of(AFDRole.ATTENTION, role_rank)
+            self._ffn_world_rank = self._ffn_world_ranks[0]
             self._served: tuple[int, ...] = ()
         else:
+            self._ffn_world_ranks = ()
             self._ffn_world_rank = -1
-            self._served = tuple(
-                topo.world_rank(AFDRole.ATTENTION, a) for a in topo.attention_ranks_for(role_rank)
-            )
+            self._served = topo.peers_of(AFDRole.FFN, role_rank)
+        # Expert parallel: the step's announced counts (Attention: this rank's per stage;
+        # FFN: the merged message) and, FFN side, the next dispatch headers posted ahead.
+        self._ep_announced: tuple[int, ...] | None = None
+        self._ep_control: AFDControlMessage | None = None
+        self._headers_ahead: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
         self._control_bufs = [torch.empty(CONTROL_WORDS, dtype=torch.int64) for _ in self._served]
         self._timeout = timedelta(seconds=config.timeout_s)
         self._store: Any = None
@@ -274,6 +283,9 @@ class _P2PLifecycle(AFDConnectorBase):
         self._last_received = None
         self._control_send = None
         self._control_posted = None
+        self._headers_ahead = {}
+        self._ep_announced = None
+        self._ep_control = None
         for name in ("_data_pg", "_ctl_pg"):
             pg = getattr(self, name)
             setattr(self, name, None)

@@ -1,0 +1,116 @@
+"""Worker for the expert-parallel test against afd-core's real P2PConnector (not a test module).
+
+World: ``A`` Attention ranks then ``F`` FFN ranks, one process each. Toy experts: expert ``e`` is
+``x * (e + 1)`` (exact in float32 for the small integers used), so FFN rank ``f``'s answer for a
+token is ``sum over its own slots of w * x * (e + 1)`` and the Attention rank can check the
+combined output against the whole sum, computed in the combine order (rank 0's part, then rank
+1's, ...). Weights are multiples of 1/8 so every partial sum is exact: any order gives the same
+bits, and a wrong row, slot or rank shows up exactly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
+from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
+from afd_core.p2p import P2PConnector
+from afd_core.topology import AFDTopology
+from afd_remote import AFDAttentionFusedMoE
+
+HIDDEN = 8
+EXPERTS = 6
+TOP_K = 2
+LAYERS = 3
+
+
+def tokens(arank: int) -> int:
+    return 5 + 2 * arank
+
+
+def routing(arank: int, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """hidden, top-k weights, top-k ids; at layer 1 every token uses experts 0 and 1 only (the
+    FFN ranks holding none of them get an empty dispatch)."""
+    n = tokens(arank)
+    gen = torch.Generator().manual_seed(arank * 100 + layer)
+    hidden = torch.randint(-8, 8, (n, HIDDEN), generator=gen).float()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:TOP_K] for _ in range(n)])
+    if layer == 1:
+        ids = torch.tensor([[0, 1]] * n)
+    weights = torch.randint(1, 8, (n, TOP_K), generator=gen).float() / 8
+    return hidden, weights, ids.to(torch.int32)
+
+
+def toy_partial(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Sum over slots of ``w * x * (id + 1)``; slots with weight 0 add nothing."""
+    out = torch.zeros_like(hidden)
+    for k in range(ids.shape[1]):
+        out += weights[:, k : k + 1] * hidden * (ids[:, k : k + 1].float() + 1)
+    return out
+
+
+def _attention(conn: P2PConnector, topo: AFDTopology, arank: int) -> dict[str, Any]:
+    moe = [AFDAttentionFusedMoE(layer, gate_on_attention=True) for layer in range(LAYERS)]
+    conn.send_control(AFDControlMessage(((tokens(arank),),)))
+    emap = topo.expert_map(EXPERTS)
+    problems, counts = [], []
+    for layer in range(LAYERS):
+        hidden, weights, ids = routing(arank, layer)
+        with set_afd_forward_metadata(AFDForwardMetadata(connector=conn)):
+            transfer = moe[layer].dispatch_routed(hidden, weights, ids, EXPERTS)
+            out = moe[layer].receive(transfer)
+        counts.append(transfer.metadata.num_tokens)
+        expected = torch.zeros_like(hidden)
+        for f in range(topo.num_ffn_ranks):
+            w, i = emap.localise(f, weights, ids)
+            glob = torch.tensor(emap.local_experts(f))[i.long()]
+            expected += toy_partial(hidden, w, glob)
+        if not torch.equal(out, expected):
+            problems.append(f"attention {arank} layer {layer}: combined output differs")
+    conn.send_control(AFDControlMessage.shutdown_message())
+    return {"problems": problems, "counts": counts}
+
+
+def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int) -> dict[str, Any]:
+    emap = topo.expert_map(EXPERTS)
+    mine = torch.tensor(emap.local_experts(ffn_rank))
+    conn.recv_control()
+    received = []
+    for layer in range(LAYERS):
+        meta, payloads = conn.recv_dispatch(layer, 0)
+        received.append(meta.num_tokens)
+        outs = []
+        for p in payloads:
+            w, i = emap.localise(ffn_rank, p.topk_weights, p.topk_ids)
+            outs.append(toy_partial(p.hidden_states, w, mine[i.long()]))
+        conn.send_ffn_output(outs, meta)
+    shutdown = conn.recv_control().shutdown
+    return {"problems": [] if shutdown else ["no shutdown message"], "received": received}
+
+
+def run(rank: int, port: int, a: int, f: int) -> dict[str, Any]:
+    topo = AFDTopology(a, f)
+    role, role_rank = topo.role_of(rank)
+    cfg = AFDConfig(
+        role=role,
+        port=port,
+        num_attention_ranks=a,
+        num_ffn_ranks=f,
+        ffn_rank=role_rank if role is AFDRole.FFN else 0,
+        compute_gate_on_attention=True,
+        timeout_s=60.0,
+    )
+    spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32, top_k=TOP_K)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=LAYERS)
+    conn.init()
+    try:
+        if role is AFDRole.ATTENTION:
+            report = _attention(conn, topo, role_rank)
+        else:
+            report = _ffn(conn, topo, role_rank)
+    finally:
+        conn.close()
+    report["role"] = str(role)
+    return report
