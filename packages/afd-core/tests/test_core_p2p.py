@@ -90,7 +90,14 @@ def test_expert_parallel_dispatch_every_variant_exact(a: int, f: int) -> None:
     steps = 2
     by_proc = ok(
         run_world(
-            worlds.dispatch_by_role, 2, free_port(), a, f, variants, steps, a * 10 + f,
+            worlds.dispatch_by_role,
+            2,
+            free_port(),
+            a,
+            f,
+            variants,
+            steps,
+            a * 10 + f,
             timeout_s=140,
         )
     )

@@ -36,7 +36,7 @@ def test_killed_ffn_role_fails_attention_requests(tmp_path_factory: pytest.TempP
     model = ensure_tiny_checkpoint(TinySpec("qwen3_moe"), root)
     log_env = os.environ.get("AFD_E2E_LOG_DIR")
     log_dir = Path(log_env) if log_env else tmp_path_factory.getbasetemp() / "engine-logs"
-    attention, ffn = afd_servers(
+    attention, (ffn,) = afd_servers(
         model,
         log_dir=log_dir,
         options=EngineOptions(dtype="float32", enforce_eager=True, max_model_len=512),

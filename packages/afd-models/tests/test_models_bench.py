@@ -2,12 +2,27 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+from typing import Any
+
 import pytest
 
 pytest.importorskip("requests")
 
 from afd_models import cli
-from afd_models.demo.bench import BenchConfig, TPOTRow, compare, render
+from afd_models.demo import bench
+from afd_models.demo.bench import (
+    BenchConfig,
+    TPOTRow,
+    TrafficRow,
+    compare,
+    render,
+    render_traffic,
+    setup_name,
+    traffic_row,
+)
+from afd_models.demo.servers import FFNStats
 
 
 def test_compare_derives_ratio_and_overhead_per_layer() -> None:
@@ -40,6 +55,8 @@ def test_compare_derives_ratio_and_overhead_per_layer() -> None:
         ({"batch_sizes": (1, 0)}, "batch_sizes"),
         ({"max_tokens": 3}, "max_tokens"),
         ({"repeats": 0}, "repeats"),
+        ({"ffn_ranks": ()}, "ffn_ranks"),
+        ({"ffn_ranks": (1, 0)}, "ffn_ranks"),
     ],
 )
 def test_bench_config_rejects_bad_values(kwargs: dict[str, object], needle: str) -> None:
@@ -56,3 +73,223 @@ def test_bench_cli_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
         cli.main(["bench", "--repeats", "0"])
     assert err.value.code == cli.EXIT_USAGE
     assert "repeats=0" in capsys.readouterr().err
+
+
+def test_bench_cli_ffn_ranks(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    seen: list[BenchConfig] = []
+    monkeypatch.setattr(cli, "missing_demo_modules", lambda command: [])
+
+    def fake_run_bench(cfg: BenchConfig, progress: object) -> dict[str, Any]:
+        seen.append(cfg)
+        return {}
+
+    monkeypatch.setattr(bench, "run_bench", fake_run_bench)
+    assert cli.main(["bench"]) == cli.EXIT_OK
+    assert cli.main(["bench", "--ffn-ranks", "4,2", "--batch-sizes", "8"]) == cli.EXIT_OK
+    assert [(c.ffn_ranks, c.batch_sizes) for c in seen] == [((1, 2), (1, 4, 16)), ((4, 2), (8,))]
+    assert [c.gate_on_attention_ffn_ranks for c in seen] == [(1, 2), (1, 2, 4)]
+    with pytest.raises(SystemExit) as err:
+        cli.main(["bench", "--ffn-ranks", "1,two"])
+    assert err.value.code == cli.EXIT_USAGE
+    assert "afd bench: --ffn-ranks='1,two': expected comma-separated integers" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit) as err:
+        cli.main(["bench", "--ffn-ranks", "0"])
+    assert err.value.code == cli.EXIT_USAGE
+    assert "afd bench: ffn_ranks=(0,): each must be >= 1" in capsys.readouterr().err
+
+
+def test_gate_on_attention_ffn_ranks_always_start_with_the_reference() -> None:
+    assert BenchConfig().gate_on_attention_ffn_ranks == (1, 2)
+    assert BenchConfig(ffn_ranks=(2,)).gate_on_attention_ffn_ranks == (1, 2)
+    assert BenchConfig(ffn_ranks=(4, 2, 4, 1)).gate_on_attention_ffn_ranks == (1, 2, 4)
+    assert BenchConfig(ffn_ranks=(1,)).gate_on_attention_ffn_ranks == (1,)
+
+
+def test_setup_names() -> None:
+    assert setup_name(1, 1, gate_on_attention=False) == "afd 1:1"
+    assert setup_name(2, 1, gate_on_attention=False) == "afd 2:1"
+    assert setup_name(1, 1, gate_on_attention=True) == "afd 1:1 gate-attn"
+    assert setup_name(1, 2, gate_on_attention=True) == "afd 1:2 gate-attn"
+
+
+def _stats(rank: int, steps: int, tokens: int, nbytes: int) -> FFNStats:
+    return FFNStats(rank, steps, steps * 4, tokens, nbytes, 1, 4)
+
+
+def test_traffic_rows_sum_bytes_per_step_over_ffn_ranks_and_compare_to_one_rank() -> None:
+    one = traffic_row("afd 1:1 gate-attn", [_stats(0, 100, 800, 409600)])
+    assert one == TrafficRow("afd 1:1 gate-attn", 1, (100,), (800,), (409600,), 4096.0, 1.0)
+    two = traffic_row(
+        "afd 1:2 gate-attn",
+        [_stats(0, 100, 700, 358400), _stats(1, 50, 450, 230400)],
+        one.bytes_per_step,
+    )
+    # 358400 / 100 + 230400 / 50 = 3584 + 4608
+    assert two == TrafficRow(
+        "afd 1:2 gate-attn", 2, (100, 50), (700, 450), (358400, 230400), 8192.0, 2.0
+    )
+    assert render_traffic([one, two]).splitlines() == [
+        "| setup | FFN ranks | steps (per rank) | bytes sent per step (per rank) | vs 1 FFN rank |",
+        "|---|---|---|---|---|",
+        "| afd 1:1 gate-attn | 1 | 100 | 4096 (4096) | 1.00 |",
+        "| afd 1:2 gate-attn | 2 | 100 / 50 | 8192 (3584 + 4608) | 2.00 |",
+    ]
+
+
+def test_traffic_row_without_reference_bytes_has_no_ratio() -> None:
+    idle = traffic_row("afd 1:1 gate-attn", [_stats(0, 0, 0, 0)])
+    assert (idle.bytes_per_step, idle.ratio_vs_one_rank) == (0.0, None)
+    two = traffic_row("afd 1:2 gate-attn", [_stats(0, 10, 5, 100), _stats(1, 10, 5, 100)], 0.0)
+    assert (two.bytes_per_step, two.ratio_vs_one_rank) == (20.0, None)
+    assert render_traffic([idle, two]).splitlines()[2:] == [
+        "| afd 1:1 gate-attn | 1 | 0 | 0 (0) | n/a |",
+        "| afd 1:2 gate-attn | 2 | 10 / 10 | 20 (10 + 10) | n/a |",
+    ]
+
+
+def test_traffic_row_names_ranks_without_counters() -> None:
+    with pytest.raises(RuntimeError) as err:
+        traffic_row("afd 1:2 gate-attn", [_stats(0, 1, 1, 1), None])
+    assert str(err.value) == "afd 1:2 gate-attn: no stats line from FFN rank(s) [1]"
+    with pytest.raises(RuntimeError) as err:
+        traffic_row("afd 1:2 gate-attn", [])
+    assert str(err.value) == "afd 1:2 gate-attn: no stats line from FFN rank(s) [0]"
+
+
+def test_compare_covers_gate_on_attention_rows() -> None:
+    plain = [TPOTRow("plain", 4, 10.0, (10.0,))]
+    afd = [
+        TPOTRow("afd 1:1 gate-attn", 4, 11.0, (11.0,)),
+        TPOTRow("afd 1:2 gate-attn", 4, 15.0, (15.0,)),
+    ]
+    rows = compare(plain, afd, {4: 0.5}, layers=4)
+    assert [(r.setup, r.ratio) for r in rows] == [
+        ("afd 1:1 gate-attn", 1.1),
+        ("afd 1:2 gate-attn", 1.5),
+    ]
+    assert render(rows).splitlines()[3] == (
+        "| afd 1:2 gate-attn | 4 | 10.00 | 15.00 | 1.50 | 1.250 | 0.500 | 2.5 | met |"
+    )
+
+
+class _FakeServer:
+    def __init__(self, name: str, log: str, events: list[str]) -> None:
+        self.name = name
+        self._log = log
+        self._events = events
+
+    def start(self) -> None:
+        self._events.append(f"start {self.name}")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self._events.append(f"stop {self.name}")
+
+    def log_text(self) -> str:
+        return self._log
+
+
+def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from afd_runtime.ffn_service import STATS_FORMAT
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "decoder_sparse_step": 1})
+    )
+    events: list[str] = []
+    deployments: list[dict[str, object]] = []
+    # Per FFN rank count: each rank's (steps, bytes).
+    counters = {1: [(10, 40960)], 2: [(10, 30720), (10, 20480)]}
+
+    def fake_afd_servers(model: object, **kw: Any) -> tuple[_FakeServer, tuple[_FakeServer, ...]]:
+        deployments.append(kw)
+        n, prefix = kw.get("num_ffn_ranks", 1), kw["prefix"]
+        logs = ["" for _ in range(n)]
+        if kw["gate_on_attention"]:
+            logs = [
+                STATS_FORMAT.format(
+                    rank=r, steps=st, calls=st * 2, tokens=st, bytes=b, peers=1, layers=2
+                )
+                for r, (st, b) in enumerate(counters[n])
+            ]
+        ffns = tuple(_FakeServer(f"{prefix}-ffn{r}", log, events) for r, log in enumerate(logs))
+        return _FakeServer(f"{prefix}-attention", "", events), ffns
+
+    tpot = {"plain": 10.0, "afd 1:1": 12.0, "afd 2:1": 14.0, "afd 1:1 gate-attn": 11.0}
+    tpot["afd 1:2 gate-attn"] = 13.0
+    monkeypatch.setattr(bench, "ensure_tiny_checkpoint", lambda spec, cache: model)
+    monkeypatch.setattr(bench, "raw_round_trip_ms", lambda sizes, hidden: dict.fromkeys(sizes, 0.5))
+    monkeypatch.setattr(
+        bench, "plain_server", lambda model, name, **kw: _FakeServer(name, "", events)
+    )
+    monkeypatch.setattr(bench, "afd_servers", fake_afd_servers)
+    monkeypatch.setattr(bench, "wait_until_healthy", lambda servers: None)
+    monkeypatch.setattr(
+        bench,
+        "measure_tpot",
+        lambda server, b, cfg, setup: TPOTRow(setup, b, tpot.get(setup, 9.0), (1.0,)),
+    )
+    out = tmp_path / "res" / "serving.json"
+    printed: list[str] = []
+    cfg = BenchConfig(batch_sizes=(1, 4), out=out, log_dir=tmp_path / "logs")
+    result = bench.run_bench(cfg, progress=printed.append)
+
+    assert [
+        (d["num_attention_ranks"], d.get("num_ffn_ranks", 1), d["gate_on_attention"], d["prefix"])
+        for d in deployments
+    ] == [
+        (1, 1, False, "bench-1a1f"),
+        (2, 1, False, "bench-2a1f"),
+        (1, 1, True, "bench-1a1f-gate-attn"),
+        (1, 2, True, "bench-1a2f-gate-attn"),
+    ]
+    # FFN ranks start before the Attention role; the Attention role stops first.
+    assert events[-6:] == [
+        "start bench-1a2f-gate-attn-ffn1",
+        "start bench-1a2f-gate-attn-ffn0",
+        "start bench-1a2f-gate-attn-attention",
+        "stop bench-1a2f-gate-attn-attention",
+        "stop bench-1a2f-gate-attn-ffn0",
+        "stop bench-1a2f-gate-attn-ffn1",
+    ]
+    written = json.loads(out.read_text())
+    assert written == json.loads(json.dumps(result))
+    result = written
+    assert result["ffn_ranks"] == [1, 2]
+    assert [(r["setup"], r["batch"]) for r in result["compared"]] == [
+        ("afd 1:1", 1),
+        ("afd 1:1", 4),
+        ("afd 2:1", 4),
+        ("afd 1:1 gate-attn", 1),
+        ("afd 1:1 gate-attn", 4),
+        ("afd 1:2 gate-attn", 1),
+        ("afd 1:2 gate-attn", 4),
+    ]
+    assert [r["ratio"] for r in result["compared"]][-2:] == [1.3, 1.3]
+    assert result["traffic"] == [
+        {
+            "setup": "afd 1:1 gate-attn",
+            "num_ffn_ranks": 1,
+            "steps": [10],
+            "tokens": [10],
+            "bytes": [40960],
+            "bytes_per_step": 4096.0,
+            "ratio_vs_one_rank": 1.0,
+        },
+        {
+            "setup": "afd 1:2 gate-attn",
+            "num_ffn_ranks": 2,
+            "steps": [10, 10],
+            "tokens": [10, 10],
+            "bytes": [30720, 20480],
+            "bytes_per_step": 5120.0,
+            "ratio_vs_one_rank": 1.25,
+        },
+    ]
+    assert "| afd 1:2 gate-attn | 2 | 10 / 10 | 5120 (3072 + 2048) | 1.25 |" in "\n".join(printed)

@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from afd_models import cli
 from afd_models.demo import run
-from afd_models.demo.client import Completion
+from afd_models.demo.client import BatchResult, Completion
 from afd_models.demo.parity import compare_parity
-from afd_models.demo.run import DemoConfig, DemoReport, ServerStats, render_report
-from afd_models.demo.servers import ServerExitedError
+from afd_models.demo.run import DemoConfig, DemoReport, FFNRankStats, ServerStats, render_report
+from afd_models.demo.servers import FFNStats, ServerExitedError
 from afd_models.demo.tiny import DEMO_PROMPTS
 
 
@@ -22,6 +22,7 @@ def test_demo_defaults_are_the_tiny_qwen_model() -> None:
     assert cfg.model is None
     assert cfg.family == "qwen3_moe"
     assert cfg.num_attention_ranks == 1
+    assert cfg.num_ffn_ranks == 1
     assert cfg.gate_on_attention is False
     assert cfg.prompts == DEMO_PROMPTS
     assert cfg.max_tokens >= 16
@@ -61,6 +62,38 @@ def test_demo_flags_map_to_config(tmp_path: Path) -> None:
     assert cli.parse_demo_config(["--max-num-seqs", "4"]).options.max_num_seqs == 4
 
 
+def test_qwen3_moe_accepts_the_gate_on_attention_and_several_ffn_ranks() -> None:
+    cfg = cli.parse_demo_config(["--gate", "attention"])
+    assert (cfg.family, cfg.gate_on_attention, cfg.num_ffn_ranks) == ("qwen3_moe", True, 1)
+    cfg = cli.parse_demo_config(
+        ["--family", "qwen3_moe", "--gate", "attention", "--ffn-ranks", "2"]
+    )
+    assert (cfg.family, cfg.gate_on_attention, cfg.num_ffn_ranks) == ("qwen3_moe", True, 2)
+    cfg = cli.parse_demo_config(
+        ["--family", "deepseek_v2", "--gate", "attention", "--ffn-ranks", "4"]
+    )
+    assert (cfg.family, cfg.gate_on_attention, cfg.num_ffn_ranks) == ("deepseek_v2", True, 4)
+    assert cli.parse_demo_config(["--ffn-ranks", "1"]).num_ffn_ranks == 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_ffn_ranks": 0}, "DemoConfig.num_ffn_ranks=0 must be >= 1"),
+        (
+            {"num_ffn_ranks": 2},
+            "DemoConfig.num_ffn_ranks=2 > 1 needs gate_on_attention=True (expert parallelism "
+            "runs the router gate on Attention)",
+        ),
+    ],
+)
+def test_demo_config_rejects_bad_ffn_ranks(kwargs: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        DemoConfig(**kwargs)  # type: ignore[arg-type]
+    assert str(err.value) == message
+    assert DemoConfig(num_ffn_ranks=2, gate_on_attention=True).num_ffn_ranks == 2
+
+
 def test_real_model_keeps_checkpoint_dtype(tmp_path: Path) -> None:
     cfg = cli.parse_demo_config(["--model", str(tmp_path)])
     assert cfg.model == tmp_path
@@ -77,7 +110,15 @@ def test_real_model_keeps_checkpoint_dtype(tmp_path: Path) -> None:
         (["--max-tokens", "-1"], "--max-tokens=-1"),
         (["--seed", "-2"], "--seed=-2"),
         (["--max-num-seqs", "0"], "--max-num-seqs=0"),
-        (["--gate", "attention"], "--gate=attention"),
+        (["--ffn-ranks", "0"], "error: --ffn-ranks=0 must be > 0"),
+        (["--ffn-ranks", "-3", "--gate", "attention"], "error: --ffn-ranks=-3 must be > 0"),
+        (
+            ["--ffn-ranks", "2"],
+            "error: --ffn-ranks=2 needs --gate attention (expert parallelism: the FFN ranks hold "
+            "disjoint experts, so the router gate runs on the Attention role)",
+        ),
+        (["--ffn-ranks", "3", "--gate", "ffn"], "error: --ffn-ranks=3 needs --gate attention"),
+        (["--ffn-ranks", "two"], "invalid int value: 'two'"),
         (["--model", "/does/not/exist"], "--model='/does/not/exist'"),
         (["--family", "llama"], "invalid choice: 'llama'"),
     ],
@@ -120,24 +161,186 @@ def test_ffn_stats_are_parsed_and_rendered() -> None:
     from afd_models.demo.servers import parse_ffn_stats
     from afd_runtime.ffn_service import STATS_FORMAT
 
-    def line(steps: int, calls: int, tokens: int) -> str:
+    def line(steps: int, calls: int, tokens: int, nbytes: int) -> str:
         return STATS_FORMAT.format(
-            rank=0, steps=steps, calls=calls, tokens=tokens, peers=2, layers=4
+            rank=0, steps=steps, calls=calls, tokens=tokens, bytes=nbytes, peers=2, layers=4
         )
 
-    log = f"noise\n{line(1, 4, 8)}\n(Worker) INFO x\n{line(10, 40, 200)}\n"
+    log = f"noise\n{line(1, 4, 8, 100)}\n(Worker) INFO x\n{line(10, 40, 200, 20480)}\n"
     stats = parse_ffn_stats(log)
     assert set(stats) == {0}
     s = stats[0]
-    assert (s.steps, s.compute_calls, s.tokens, s.peers, s.layers) == (10, 40, 200, 2, 4)
+    assert (s.steps, s.compute_calls, s.tokens, s.bytes, s.peers, s.layers) == (
+        10,
+        40,
+        200,
+        20480,
+        2,
+        4,
+    )
     assert (s.calls_per_step, s.tokens_per_call) == (4.0, 5.0)
+    assert (s.tokens_per_step, s.bytes_per_step) == (20.0, 2048.0)
     assert parse_ffn_stats("nothing here") == {}
-    report = dataclasses.replace(_report((3, 4)), ffn_stats=s)
+    rank = FFNRankStats(0, "afd-ffn", (3 * 1024**2,), s)
+    report = dataclasses.replace(_report((3, 4)), ffn_ranks=(rank,))
     text = render_report(report)
     assert (
         "FFN rank 0 batching: 10 steps, 40 compute calls (4.0 per step over 4 MoE layers, "
         "2 Attention rank(s) per call), 200 tokens (5.0 per call)"
-    ) in text
+    ) in text.splitlines()
+
+
+def _stats(rank: int, steps: int, tokens: int, nbytes: int) -> FFNStats:
+    return FFNStats(
+        rank=rank,
+        steps=steps,
+        compute_calls=steps * 4,
+        tokens=tokens,
+        bytes=nbytes,
+        peers=1,
+        layers=4,
+    )
+
+
+def test_render_report_prints_each_ffn_rank() -> None:
+    ranks = (
+        FFNRankStats(0, "afd-ffn0", (1536 * 1024,), _stats(0, 50, 545, 5734400)),
+        FFNRankStats(1, "afd-ffn1", (1536 * 1024,), _stats(1, 50, 551, 512)),
+        FFNRankStats(2, "afd-ffn2", None, None),
+    )
+    report = dataclasses.replace(
+        _report((3, 4)), topology="1 attention : 3 ffn, gate on attention", ffn_ranks=ranks
+    )
+    lines = render_report(report).splitlines()
+    assert "topology: 1 attention : 3 ffn, gate on attention" in lines
+    start = lines.index(
+        "| ffn rank | server   | routed-expert bytes | tokens received/step | bytes received/step |"
+    )
+    assert lines[start + 1 : start + 6] == [
+        "|----------|----------|---------------------|----------------------|---------------------|",
+        "| 0        | afd-ffn0 | 1.5 MiB             | 10.9                 | 112.0 KiB           |",
+        "| 1        | afd-ffn1 | 1.5 MiB             | 11.0                 | 10 B                |",
+        "| 2        | afd-ffn2 | n/a                 | n/a                  | n/a                 |",
+        "",
+    ]
+    batching = [ln for ln in lines if ln.startswith("FFN rank ")]
+    assert batching == [
+        "FFN rank 0 batching: 50 steps, 200 compute calls (4.0 per step over 4 MoE layers, "
+        "1 Attention rank(s) per call), 545 tokens (2.7 per call)",
+        "FFN rank 1 batching: 50 steps, 200 compute calls (4.0 per step over 4 MoE layers, "
+        "1 Attention rank(s) per call), 551 tokens (2.8 per call)",
+    ]
+    assert lines[-1] == "PASS: all prompts identical"
+
+
+def test_render_report_without_ffn_ranks_has_no_rank_table() -> None:
+    text = render_report(_report((3, 4)))
+    assert "| ffn rank" not in text
+    assert "FFN rank" not in text
+
+
+class _FakeServer:
+    """Stands in for a VLLMServer in run_demo: records start/stop, serves a canned log."""
+
+    def __init__(self, name: str, log: str, events: list[str]) -> None:
+        self.name = name
+        self.base_url = f"http://fake/{name}"
+        self.pid = None
+        self._log = log
+        self._events = events
+
+    def start(self) -> None:
+        self._events.append(f"start {self.name}")
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self._events.append(f"stop {self.name}")
+
+    def check_alive(self) -> None:
+        self._events.append(f"alive {self.name}")
+
+    def log_text(self) -> str:
+        return self._log
+
+
+def test_run_demo_starts_waits_for_and_stops_every_ffn_rank(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from afd_runtime.ffn_service import STATS_FORMAT
+
+    events: list[str] = []
+    calls: dict[str, object] = {}
+
+    def ffn_log(rank: int) -> str:
+        stats = STATS_FORMAT.format(
+            rank=rank,
+            steps=10,
+            calls=40,
+            tokens=30 + rank,
+            bytes=1000 * (rank + 1),
+            peers=1,
+            layers=4,
+        )
+        return f"AFD role=ffn param_bytes={100 + rank}\n{stats}\n"
+
+    def fake_afd_servers(model: object, **kwargs: object) -> tuple[object, tuple[object, ...]]:
+        calls.update(kwargs)
+        ffns = tuple(_FakeServer(f"afd-ffn{i}", ffn_log(i), events) for i in range(2))
+        return _FakeServer("afd-attention", "AFD role=attention param_bytes=7\n", events), ffns
+
+    def fake_complete_many(base_url: str, prompts: object, **kwargs: object) -> BatchResult:
+        got = tuple(Completion(p, "", (1, 2), 0.1) for p in prompts)  # type: ignore[attr-defined]
+        return BatchResult(got, 1.0)
+
+    monkeypatch.setattr(run, "plain_server", lambda model, **kw: _FakeServer("plain", "", events))
+    monkeypatch.setattr(run, "afd_servers", fake_afd_servers)
+    monkeypatch.setattr(
+        run,
+        "wait_until_healthy",
+        lambda servers: events.append("wait " + ",".join(s.name for s in servers)),
+    )
+    monkeypatch.setattr(run, "complete_many", fake_complete_many)
+    cfg = DemoConfig(
+        model=tmp_path,
+        num_ffn_ranks=2,
+        gate_on_attention=True,
+        prompts=("a", "b"),
+        log_dir=tmp_path / "logs",
+    )
+    report = run.run_demo(cfg, progress=lambda msg: None)
+    assert (calls["num_ffn_ranks"], calls["gate_on_attention"], calls["num_attention_ranks"]) == (
+        2,
+        True,
+        1,
+    )
+    afd_events = events[events.index("stop plain") + 1 :]
+    assert afd_events == [
+        "start afd-ffn0",
+        "start afd-ffn1",
+        "start afd-attention",
+        "wait afd-ffn0,afd-ffn1,afd-attention",
+        "alive afd-attention",
+        "alive afd-ffn0",
+        "alive afd-ffn1",
+        "stop afd-attention",
+        "stop afd-ffn0",
+        "stop afd-ffn1",
+    ]
+    assert report.ok
+    assert report.topology == "1 attention : 2 ffn, gate on attention"
+    assert [(s.name, s.role, s.param_bytes) for s in report.servers] == [
+        ("plain", "monolithic", None),
+        ("afd-attention", "attention", (7,)),
+        ("afd-ffn0", "ffn", (100,)),
+        ("afd-ffn1", "ffn", (101,)),
+    ]
+    assert [(r.rank, r.name, r.param_bytes) for r in report.ffn_ranks] == [
+        (0, "afd-ffn0", (100,)),
+        (1, "afd-ffn1", (101,)),
+    ]
+    assert [(r.stats.tokens, r.stats.bytes) for r in report.ffn_ranks if r.stats] == [
+        (30, 1000),
+        (31, 2000),
+    ]
 
 
 def test_render_report_fail_names_the_mismatch() -> None:

@@ -7,6 +7,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,10 +22,13 @@ from afd_models.demo.servers import (  # noqa: E402
     ServerExitedError,
     ServerStartTimeoutError,
     VLLMServer,
+    afd_config,
     afd_role_args,
     afd_servers,
     free_port,
+    free_ports,
     parity_options,
+    parse_ffn_stats,
     parse_param_bytes,
     process_tree_rss,
     wait_until_healthy,
@@ -102,9 +106,89 @@ def test_ffn_role_args_are_the_documented_launch() -> None:
             "port": 29555,
             "num_attention_ranks": 2,
             "num_ffn_ranks": 1,
+            "ffn_rank": 0,
             "compute_gate_on_attention": True,
         }
     }
+
+
+def test_ffn_rank_is_emitted_for_the_ffn_role_only() -> None:
+    ffn = afd_config(
+        "ffn",
+        afd_port=29555,
+        num_attention_ranks=1,
+        num_ffn_ranks=4,
+        gate_on_attention=True,
+        ffn_rank=3,
+    )
+    assert ffn == {
+        "role": "ffn",
+        "port": 29555,
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 4,
+        "ffn_rank": 3,
+        "compute_gate_on_attention": True,
+    }
+    attention = afd_config(
+        "attention", afd_port=29555, num_attention_ranks=1, num_ffn_ranks=4, gate_on_attention=True
+    )
+    assert attention == {
+        "role": "attention",
+        "port": 29555,
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 4,
+        "compute_gate_on_attention": True,
+    }
+    args = afd_role_args(
+        "ffn",
+        afd_port=29555,
+        num_attention_ranks=1,
+        num_ffn_ranks=2,
+        gate_on_attention=True,
+        ffn_rank=1,
+    )
+    assert args == [
+        "--additional-config",
+        '{"afd": {"compute_gate_on_attention": true, "ffn_rank": 1, "num_attention_ranks": 1, '
+        '"num_ffn_ranks": 2, "port": 29555, "role": "ffn"}}',
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"ffn_rank": 2, "num_ffn_ranks": 2}, "ffn_rank=2 must be in 0..1 (num_ffn_ranks=2)"),
+        ({"ffn_rank": -1, "num_ffn_ranks": 2}, "ffn_rank=-1 must be in 0..1 (num_ffn_ranks=2)"),
+        ({"ffn_rank": 1}, "ffn_rank=1 must be in 0..0 (num_ffn_ranks=1)"),
+        ({"ffn_rank": True, "num_ffn_ranks": 2}, "ffn_rank=True must be an int"),
+        (
+            {"role": "attention", "ffn_rank": 1, "num_ffn_ranks": 2},
+            "ffn_rank=1 is an FFN-role field; role='attention' needs 0",
+        ),
+        (
+            {"num_ffn_ranks": 2, "gate_on_attention": False},
+            "num_ffn_ranks=2 > 1 needs gate_on_attention=True",
+        ),
+        ({"num_ffn_ranks": 2, "extra": {"ffn_rank": 1}}, "extra key 'ffn_rank' would override"),
+        (
+            {"role": "attention", "num_ffn_ranks": 2, "extra": {"ffn_rank": 1}},
+            "extra key 'ffn_rank' would override",
+        ),
+    ],
+)
+def test_ffn_rank_validation(kwargs: dict[str, object], message: str) -> None:
+    base: dict[str, Any] = {
+        "role": "ffn",
+        "afd_port": 1234,
+        "num_attention_ranks": 1,
+        "gate_on_attention": True,
+    }
+    base.update(kwargs)
+    role = base.pop("role")
+    for build in (afd_config, afd_role_args):
+        with pytest.raises(ValueError) as err:
+            build(role, **base)
+        assert str(err.value).startswith(message)
 
 
 def test_attention_role_args_add_data_parallel_only_for_several_ranks() -> None:
@@ -127,7 +211,7 @@ def test_attention_role_args_add_data_parallel_only_for_several_ranks() -> None:
     ],
 )
 def test_role_args_validation_names_field(kwargs: dict[str, object], field: str) -> None:
-    base: dict[str, object] = {
+    base: dict[str, Any] = {
         "role": "ffn",
         "afd_port": 1234,
         "num_attention_ranks": 1,
@@ -141,9 +225,13 @@ def test_role_args_validation_names_field(kwargs: dict[str, object], field: str)
 
 def test_afd_servers_share_one_afd_port_and_engine_options(tmp_path: Path) -> None:
     opts = EngineOptions(dtype="float32", enforce_eager=True, max_model_len=256)
-    att, ffn = afd_servers(
+    att, ffns = afd_servers(
         "/m", log_dir=tmp_path, options=opts, num_attention_ranks=2, gate_on_attention=True
     )
+    assert len(ffns) == 1
+    (ffn,) = ffns
+    assert (att.name, ffn.name) == ("afd-attention", "afd-ffn")
+    assert ffn.config.log_path == tmp_path / "afd-ffn.log"
     a_cfg = json.loads(att.config.argv[att.config.argv.index("--additional-config") + 1])
     f_cfg = json.loads(ffn.config.argv[ffn.config.argv.index("--additional-config") + 1])
     assert a_cfg["afd"]["port"] == f_cfg["afd"]["port"]
@@ -158,6 +246,138 @@ def test_afd_servers_share_one_afd_port_and_engine_options(tmp_path: Path) -> No
         assert s.config.env["VLLM_CPU_KVCACHE_SPACE"] == "1"
     assert "--data-parallel-size" in att.config.argv
     assert "--data-parallel-size" not in ffn.config.argv
+    assert f_cfg["afd"]["ffn_rank"] == 0
+    assert "ffn_rank" not in a_cfg["afd"]
+
+
+def _afd(server: VLLMServer) -> dict[str, object]:
+    argv = server.config.argv
+    cfg: dict[str, object] = json.loads(argv[argv.index("--additional-config") + 1])["afd"]
+    return cfg
+
+
+def test_afd_servers_build_one_server_per_ffn_rank(tmp_path: Path) -> None:
+    opts = EngineOptions(max_model_len=256)
+    att, ffns = afd_servers(
+        "/m",
+        log_dir=tmp_path,
+        options=opts,
+        num_attention_ranks=1,
+        num_ffn_ranks=3,
+        gate_on_attention=True,
+        prefix="ep",
+    )
+    assert isinstance(ffns, tuple)
+    assert att.name == "ep-attention"
+    assert [s.name for s in ffns] == ["ep-ffn0", "ep-ffn1", "ep-ffn2"]
+    assert [s.config.log_path for s in ffns] == [tmp_path / f"ep-ffn{i}.log" for i in range(3)]
+    assert [_afd(s)["ffn_rank"] for s in ffns] == [0, 1, 2]
+    assert {_afd(s)["role"] for s in ffns} == {"ffn"}
+    assert {_afd(s)["num_ffn_ranks"] for s in (att, *ffns)} == {3}
+    assert {_afd(s)["compute_gate_on_attention"] for s in (att, *ffns)} == {True}
+    afd_ports = {_afd(s)["port"] for s in (att, *ffns)}
+    assert len(afd_ports) == 1
+    http_ports = [s.config.port for s in (att, *ffns)]
+    assert len(set(http_ports)) == 4
+    assert afd_ports.isdisjoint(http_ports)
+    for s in (att, *ffns):
+        argv = list(s.config.argv)
+        assert argv[argv.index("--port") + 1] == str(s.config.port)
+        assert argv[argv.index("--max-model-len") + 1] == "256"
+        assert s.base_url == f"http://127.0.0.1:{s.config.port}"
+    assert "ffn_rank" not in _afd(att)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_ffn_ranks": 0}, "num_ffn_ranks=0 must be >= 1"),
+        ({"num_ffn_ranks": 2, "gate_on_attention": False}, "num_ffn_ranks=2 > 1 needs"),
+    ],
+)
+def test_afd_servers_reject_bad_ffn_ranks(
+    tmp_path: Path, kwargs: dict[str, object], message: str
+) -> None:
+    base: dict[str, object] = {"num_attention_ranks": 1, "gate_on_attention": True}
+    base.update(kwargs)
+    with pytest.raises(ValueError) as err:
+        afd_servers("/m", log_dir=tmp_path, options=EngineOptions(), **base)  # type: ignore[arg-type]
+    assert str(err.value).startswith(message)
+
+
+def test_free_ports_are_distinct() -> None:
+    ports = free_ports(16)
+    assert len(ports) == 16 and len(set(ports)) == 16
+    assert all(0 < p < 65536 for p in ports)
+    with pytest.raises(ValueError, match="count=0"):
+        free_ports(0)
+
+
+STATS_LINE = (
+    "AFD FFN rank={rank} stats steps={steps} compute_calls={calls} tokens={tokens} "
+    "bytes={nbytes} peers={peers} layers={layers}"
+)
+
+
+def test_ffn_stats_line_with_bytes_is_parsed_per_rank() -> None:
+    log = "\n".join(
+        [
+            "noise",
+            STATS_LINE.format(rank=0, steps=2, calls=8, tokens=8, nbytes=4096, peers=1, layers=4),
+            "(EngineCore pid=1) "
+            + STATS_LINE.format(rank=1, steps=3, calls=6, tokens=9, nbytes=999, peers=1, layers=4),
+            STATS_LINE.format(
+                rank=0, steps=10, calls=40, tokens=250, nbytes=51200, peers=2, layers=4
+            ),
+            # The pre-bytes line format is not a counters line any more.
+            "AFD FFN rank=2 stats steps=1 compute_calls=4 tokens=8 peers=1 layers=4",
+        ]
+    )
+    stats = parse_ffn_stats(log)
+    assert set(stats) == {0, 1}
+    s0, s1 = stats[0], stats[1]
+    assert (s0.rank, s0.steps, s0.compute_calls, s0.tokens, s0.bytes, s0.peers, s0.layers) == (
+        0,
+        10,
+        40,
+        250,
+        51200,
+        2,
+        4,
+    )
+    assert (s0.tokens_per_step, s0.bytes_per_step, s0.calls_per_step) == (25.0, 5120.0, 4.0)
+    assert (s1.tokens, s1.bytes, s1.tokens_per_step, s1.bytes_per_step) == (9, 999, 3.0, 333.0)
+
+
+def test_ffn_stats_means_are_zero_before_the_first_step() -> None:
+    (s,) = parse_ffn_stats(
+        STATS_LINE.format(rank=0, steps=0, calls=0, tokens=0, nbytes=0, peers=1, layers=4)
+    ).values()
+    assert (s.tokens_per_step, s.bytes_per_step, s.calls_per_step, s.tokens_per_call) == (
+        0.0,
+        0.0,
+        0.0,
+        0.0,
+    )
+
+
+def test_ffn_stats_regex_matches_the_runtime_format() -> None:
+    """The harness parses exactly what afd-runtime prints."""
+    from afd_runtime.ffn_service import STATS_FORMAT
+
+    line = STATS_FORMAT.format(rank=1, steps=5, calls=20, tokens=40, bytes=10240, peers=2, layers=4)
+    assert line == (
+        "AFD FFN rank=1 stats steps=5 compute_calls=20 tokens=40 bytes=10240 peers=2 layers=4"
+    )
+    s = parse_ffn_stats(line)[1]
+    assert (s.steps, s.compute_calls, s.tokens, s.bytes, s.peers, s.layers) == (
+        5,
+        20,
+        40,
+        10240,
+        2,
+        4,
+    )
 
 
 def test_first_mismatch() -> None:

@@ -147,3 +147,108 @@ def attention_main(
         conn.send_control(AFDControlMessage.shutdown_message())
     conn.close()
     q.put((f"attention{rank}{tag}", all(results), error))
+
+
+# -- expert parallel (2 Attention ranks : 2 FFN ranks) -----------------------------------------
+
+EP_TOP_K = 2
+EP_STEPS = (4, 3, 6)
+
+
+def ep_config(role: str, port: int, ffn_rank: int = 0) -> AFDConfig:
+    kw: dict[str, Any] = {"num_attention_ranks": 2, "num_ffn_ranks": 2}
+    kw["compute_gate_on_attention"] = True
+    if role == "ffn":
+        kw["ffn_rank"] = ffn_rank
+    return config(role, port, **kw)
+
+
+def ep_connector(cfg: AFDConfig, rank: int) -> Any:
+    spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32, top_k=EP_TOP_K)
+    return create_connector(cfg, rank, payload_spec=spec, num_layers=max(LAYERS) + 1)
+
+
+def toy_experts(hidden: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Expert ``e`` is ``x * (e + 1)``; exact for the small integers and eighths used here."""
+    out = torch.zeros_like(hidden)
+    for k in range(weights.shape[1]):
+        out += weights[:, k : k + 1] * hidden * (experts[:, k : k + 1].float() + 1)
+    return out
+
+
+class ExpertParallelToyCompute:
+    """FFN compute of one expert-parallel rank: its own experts' share of the toy sum."""
+
+    def __init__(self, ffn_rank: int) -> None:
+        from afd_core.topology import AFDTopology
+
+        self.ffn_rank = ffn_rank
+        self.map = AFDTopology(2, 2).expert_map(EXPERTS)
+        self.calls: list[tuple[int, int]] = []  # (layer, tokens)
+
+    def __call__(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        assert logits is None and topk is not None
+        weights, ids = self.map.localise(self.ffn_rank, *topk)
+        mine = torch.tensor(self.map.local_experts(self.ffn_rank))
+        self.calls.append((layer, int(hidden.shape[0])))
+        return toy_experts(hidden, weights, mine[ids.long()])
+
+
+def ep_ffn_main(port: int, ffn_rank: int, q: Any) -> None:
+    cfg = ep_config("ffn", port, ffn_rank)
+    compute = ExpertParallelToyCompute(ffn_rank)
+    svc = FFNService(cfg, ffn_rank, LAYERS, compute, lambda: ep_connector(cfg, ffn_rank))
+    svc.start()
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and svc.stats.steps < len(EP_STEPS) and not svc.failed:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    err = svc._error
+    svc.stop()
+    q.put((f"ffn{ffn_rank}", (svc.stats.steps, compute.calls), None if err is None else str(err)))
+
+
+def ep_routing(n: int, rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Step 1 routes every token to experts 0 and 1 (FFN rank 0): rank 1 gets nothing."""
+    gen = torch.Generator().manual_seed(1000 * step + 10 * rank + n)
+    hidden = torch.randint(-8, 8, (n, HIDDEN), generator=gen).float()
+    ids = torch.stack([torch.randperm(EXPERTS, generator=gen)[:EP_TOP_K] for _ in range(n)])
+    if step == 1:
+        ids = torch.tensor([[0, 1]] * n)
+    weights = torch.randint(1, 8, (n, EP_TOP_K), generator=gen).float() / 8
+    return hidden, weights, ids.to(torch.int32)
+
+
+def ep_attention_main(port: int, rank: int, q: Any, barrier: Any) -> None:
+    from afd_core.topology import AFDTopology
+
+    cfg = ep_config("attention", port)
+    conn = ep_connector(cfg, rank)
+    conn.init()
+    owners = AFDTopology(2, 2).expert_map(EXPERTS).owner_table()
+    results: list[bool] = []
+    counts: list[tuple[int, ...]] = []
+    for step, n in enumerate(EP_STEPS):
+        n = n + rank
+        conn.send_control(AFDControlMessage(((n,),)))
+        for layer in LAYERS:
+            hidden, weights, ids = ep_routing(n, rank, step)
+            rows = [torch.nonzero((owners[ids.long()] == f).any(1)).flatten() for f in range(2)]
+            parts = [AFDPayload(hidden[r], topk_ids=ids[r], topk_weights=weights[r]) for r in rows]
+            meta = AFDTransferMetadata(layer, 0, tuple(int(r.numel()) for r in rows))
+            counts.append(meta.num_tokens)
+            outs = conn.recv_combine(conn.send_dispatch(parts, meta))
+            got = torch.zeros_like(hidden)
+            for r, out in zip(rows, outs, strict=True):
+                got.index_add_(0, r, out)
+            results.append(torch.equal(got, toy_experts(hidden, weights, ids)))
+    barrier.wait(120)
+    conn.send_control(AFDControlMessage.shutdown_message())
+    conn.close()
+    q.put((f"attention{rank}", (all(results), counts), None))

@@ -102,3 +102,41 @@ def test_service_rejects_empty_layers() -> None:
     cfg = AFDConfig.from_mapping({"role": "ffn"})
     with pytest.raises(ValueError, match="layer_indices"):
         FFNService(cfg, 0, (), ranks.compute, lambda: ranks.connector(cfg, 0))
+
+
+@pytest.mark.timeout(240)
+def test_expert_parallel_service_two_to_two() -> None:
+    """2 Attention : 2 FFN ranks, each FFN rank computing only its experts' share; the combined
+    outputs are exact, and a step that routes nothing to FFN rank 1 skips its compute."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    ffns = [ctx.Process(target=ranks.ep_ffn_main, args=(port, f, q)) for f in range(2)]
+    barrier = ctx.Barrier(2)
+    atts = [
+        ctx.Process(target=ranks.ep_attention_main, args=(port, r, q, barrier)) for r in range(2)
+    ]
+    out = {}
+    try:
+        for p in (*ffns, *atts):
+            p.start()
+        for _ in range(4):
+            name, a, b = q.get(timeout=200)
+            out[name] = (a, b)
+    finally:
+        for p in (*ffns, *atts):
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    for r in range(2):
+        ok, counts = out[f"attention{r}"][0]
+        assert ok and out[f"attention{r}"][1] is None
+        # Step 1 (layers 1 and 3) dispatches every token to FFN rank 0 only.
+        n = ranks.EP_STEPS[1] + r
+        assert counts[2:4] == [(n, 0), (n, 0)]
+    for f in range(2):
+        (steps, calls), err = out[f"ffn{f}"]
+        assert err is None and steps == len(ranks.EP_STEPS)
+        expected_calls = 3 * len(ranks.LAYERS) if f == 0 else 2 * len(ranks.LAYERS)
+        assert len(calls) == expected_calls, calls
+        assert [layer for layer, _ in calls] == [1, 3] * (len(calls) // 2)

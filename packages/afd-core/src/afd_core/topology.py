@@ -119,9 +119,7 @@ class AFDTopology:
     def peers_of(self, role: AFDRole | str, role_rank: int) -> tuple[int, ...]:
         """World ranks this rank exchanges data with (every rank of the other role)."""
         if _role(role) is AFDRole.ATTENTION:
-            return tuple(
-                self.world_rank(AFDRole.FFN, f) for f in self.ffn_ranks_for(role_rank)
-            )
+            return tuple(self.world_rank(AFDRole.FFN, f) for f in self.ffn_ranks_for(role_rank))
         return tuple(
             self.world_rank(AFDRole.ATTENTION, a) for a in self.attention_ranks_for(role_rank)
         )

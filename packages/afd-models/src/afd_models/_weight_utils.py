@@ -9,6 +9,10 @@ Invariants:
   more often than the checkpoint does.
 * ``WeightOwner.BOTH`` goes to both roles, ``WeightOwner.NONE`` to neither.
 * The per-role :class:`FilterStats` counts every name exactly once (kept or dropped).
+* With ``local_experts`` (an expert-parallel FFN rank), a routed-expert tensor
+  (``...experts.<j>....``) is kept only when ``j`` is one of the rank's experts, and renamed to
+  its local index (the rank's ``FusedMoE`` holds only those); a routed-expert tensor without a
+  per-expert index (a fused checkpoint layout) is an error naming it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from afd_core.config import AFDRole
 
 _LAYER_RE: Final[re.Pattern[str]] = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+_EXPERT_RE: Final[re.Pattern[str]] = re.compile(r"\.experts\.(\d+)\.")
 
 
 class WeightOwner(enum.Enum):
@@ -80,18 +85,54 @@ class FilterStats:
     dropped_names: list[str] = field(default_factory=list)
 
 
+def expert_index(name: str, marker: str = ".mlp.experts.") -> int | None:
+    """The routed-expert index in a checkpoint name (``...experts.<j>....``), else ``None``."""
+    if marker not in name:
+        return None
+    m = _EXPERT_RE.search(name)
+    return int(m.group(1)) if m else None
+
+
+def _localise_expert(name: str, local: dict[int, int], marker: str) -> str | None:
+    """``name`` renamed to its local expert index, ``None`` when another rank holds it."""
+    m = _EXPERT_RE.search(name, name.index(marker) + len(marker) - len(".experts."))
+    if m is None:
+        raise ValueError(
+            f"checkpoint tensor {name!r} holds routed experts without a per-expert index; "
+            "allowed with num_ffn_ranks > 1: one tensor per expert (experts.<j>.)"
+        )
+    j = local.get(int(m.group(1)))
+    if j is None:
+        return None
+    return f"{name[: m.start()]}.experts.{j}.{name[m.end() :]}"
+
+
 def filter_role_weights(
     weights: Iterable[tuple[str, torch.Tensor]],
     role: AFDRole,
     classify: Classifier,
     stats: FilterStats | None = None,
+    *,
+    local_experts: Iterable[int] | None = None,
+    expert_marker: str = ".mlp.experts.",
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield the ``(name, tensor)`` pairs ``role`` keeps, in checkpoint order (one pass)."""
+    """Yield the ``(name, tensor)`` pairs ``role`` keeps, in checkpoint order (one pass).
+
+    ``local_experts`` (FFN role, expert parallel): the global routed experts this rank holds,
+    ascending; their tensors are yielded under local indices, the others dropped.
+    """
+    local = None if local_experts is None else {e: i for i, e in enumerate(local_experts)}
     for name, tensor in weights:
         owner = classify(name)
         if not isinstance(owner, WeightOwner):
             raise TypeError(f"classifier returned {owner!r} for {name!r}; allowed: WeightOwner")
         nbytes = tensor.numel() * tensor.element_size()
+        if local is not None and owner.kept_by(role) and expert_marker in name:
+            renamed = _localise_expert(name, local, expert_marker)
+            if renamed is None:
+                owner = WeightOwner.NONE
+            else:
+                name = renamed
         if owner.kept_by(role):
             if stats is not None:
                 stats.kept += 1

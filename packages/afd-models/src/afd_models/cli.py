@@ -2,12 +2,15 @@
 
 Subcommands:
 
-* ``afd demo`` — serve a model with plain vLLM and with the AFD roles, compare greedy outputs
-  token for token and print parity, tokens/s, weight bytes and RSS per role. Exit status 0 when
-  every prompt is identical, 1 on any mismatch, 2 on a usage error, 3 when a server fails.
+* ``afd demo`` — serve a model with plain vLLM and with the AFD roles (``--ffn-ranks F``: F FFN
+  rank servers, each holding ``1/F`` of the routed experts), compare greedy outputs token for
+  token and print parity, tokens/s, weight bytes and RSS per role, and what each FFN rank
+  received per step. Exit status 0 when every prompt is identical, 1 on any mismatch, 2 on a
+  usage error, 3 when a server fails.
 * ``afd tiny`` — build (or find in the cache) a tiny checkpoint and print its path.
-* ``afd bench`` — steady-state decode TPOT of AFD against plain vLLM on the tiny Qwen3-MoE, and
-  the raw gloo round trip (see :mod:`afd_models.demo.bench`); prints a table, writes JSON.
+* ``afd bench`` — steady-state decode TPOT of AFD against plain vLLM on the tiny Qwen3-MoE
+  (expert-parallel ``1:F`` deployments included, with the bytes they send per step), and the raw
+  gloo round trip (see :mod:`afd_models.demo.bench`); prints tables, writes JSON.
 * ``afd serve ...`` — ``vllm serve ...`` (see :mod:`afd_models.vllm_cli`).
 
 ``demo``, ``bench`` and ``tiny`` use :mod:`afd_models.demo`, imported only when they run: ``afd serve`` needs
@@ -61,10 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-ranks", type=int, default=1, help="Attention ranks (data parallel)"
     )
     demo.add_argument(
+        "--ffn-ranks",
+        type=int,
+        default=1,
+        help="FFN ranks (expert parallel: each holds 1/F of the routed experts; F > 1 needs "
+        "--gate attention)",
+    )
+    demo.add_argument(
         "--gate",
         choices=("attention", "ffn"),
         default="ffn",
-        help="where the MoE router gate runs (DeepSeek supports both)",
+        help="where the MoE router gate runs (attention is required by --ffn-ranks > 1)",
     )
     demo.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt")
     demo.add_argument("--concurrency", type=int, default=3, help="requests in flight")
@@ -93,10 +103,18 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="steady-state decode TPOT of AFD vs plain vLLM (tiny Qwen3-MoE)",
-        description="Measure TPOT of plain vLLM and of AFD (1:1 at each batch size, 2:1 at the "
-        "largest) on the tiny Qwen3-MoE, and the raw gloo round trip of a hidden-state message.",
+        description="Measure TPOT of plain vLLM and of AFD (gate on FFN: 1:1 at each batch size, "
+        "2:1 at the largest; gate on Attention: 1:F for each --ffn-ranks F at each batch size, "
+        "with the bytes sent per step) on the tiny Qwen3-MoE, and the raw gloo round trip of a "
+        "hidden-state message.",
     )
     bench.add_argument("--batch-sizes", default="1,4,16", help="comma-separated decode batch sizes")
+    bench.add_argument(
+        "--ffn-ranks",
+        default="1,2",
+        help="comma-separated FFN rank counts of the gate-on-Attention 1:F deployments (1, the "
+        "bytes-per-step reference, always runs)",
+    )
     bench.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bench.add_argument("--repeats", type=int, default=3, help="timed batches per row")
     bench.add_argument("--out", type=Path, default=None, help="JSON result file")
@@ -134,6 +152,7 @@ def demo_config_from_namespace(
 
     for flag, value in (
         ("--attention-ranks", ns.attention_ranks),
+        ("--ffn-ranks", ns.ffn_ranks),
         ("--max-tokens", ns.max_tokens),
         ("--concurrency", ns.concurrency),
         ("--max-model-len", ns.max_model_len),
@@ -146,8 +165,11 @@ def demo_config_from_namespace(
         parser.error(f"--seed={ns.seed!r} must be >= 0")
     if ns.model is not None and not ns.model.exists():
         parser.error(f"--model={str(ns.model)!r} does not exist")
-    if ns.gate == "attention" and ns.model is None and ns.family == "qwen3_moe":
-        parser.error("--gate=attention is only supported for --family deepseek_v2")
+    if ns.ffn_ranks > 1 and ns.gate != "attention":
+        parser.error(
+            f"--ffn-ranks={ns.ffn_ranks!r} needs --gate attention (expert parallelism: the FFN "
+            "ranks hold disjoint experts, so the router gate runs on the Attention role)"
+        )
     dtype = ns.dtype if ns.dtype is not None else ("float32" if ns.model is None else None)
     options = EngineOptions(
         dtype=dtype,
@@ -161,6 +183,7 @@ def demo_config_from_namespace(
         family=ns.family,
         seed=ns.seed,
         num_attention_ranks=ns.attention_ranks,
+        num_ffn_ranks=ns.ffn_ranks,
         gate_on_attention=ns.gate == "attention",
         prompts=tuple(ns.prompt) if ns.prompt else DEMO_PROMPTS,
         max_tokens=ns.max_tokens,
@@ -190,14 +213,24 @@ def _demo(cfg: DemoConfig) -> int:
     return EXIT_OK if report.ok else EXIT_MISMATCH
 
 
+def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, ...]:
+    """``"1,4,16"`` -> ``(1, 4, 16)``; anything else is a usage error naming ``flag``."""
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        parser.error(f"afd bench: {flag}={text!r}: expected comma-separated integers")
+
+
 def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from afd_models.demo.bench import BenchConfig, run_bench
     from afd_models.demo.servers import ServerError
 
+    sizes = _int_list(parser, "--batch-sizes", ns.batch_sizes)
+    ffn_ranks = _int_list(parser, "--ffn-ranks", ns.ffn_ranks)
     try:
-        sizes = tuple(int(b) for b in ns.batch_sizes.split(","))
         cfg = BenchConfig(
             batch_sizes=sizes,
+            ffn_ranks=ffn_ranks,
             max_tokens=ns.max_tokens,
             repeats=ns.repeats,
             out=ns.out,

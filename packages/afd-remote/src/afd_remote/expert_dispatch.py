@@ -78,8 +78,7 @@ def plan_expert_dispatch(topk_ids: torch.Tensor, expert_map: ExpertMap) -> Exper
         )
     owners = expert_map.owner_table(ids.device)[ids]  # [n, k]
     rows = tuple(
-        torch.nonzero((owners == f).any(dim=1)).flatten()
-        for f in range(expert_map.num_ffn_ranks)
+        torch.nonzero((owners == f).any(dim=1)).flatten() for f in range(expert_map.num_ffn_ranks)
     )
     return ExpertDispatchPlan(n, rows)
 

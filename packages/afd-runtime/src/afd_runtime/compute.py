@@ -40,22 +40,33 @@ class AFDFFNModel(Protocol):
     FFN rank serves; ``afd_payload_spec`` is what the Attention role sends per layer (the same
     spec the Attention adapter builds: the connector handshake compares them);
     ``afd_ffn_forward`` computes the routed-expert output of one layer (applying the gate first
-    when the gate lives on the FFN role).
+    when the gate lives on the FFN role). With expert parallelism (``num_ffn_ranks > 1``) it is
+    given ``topk`` = the tokens' global ``(weights, ids)`` as routed on the Attention role and
+    returns the sum over this rank's experts only.
     """
 
     afd_moe_layer_indices: tuple[int, ...]
     afd_payload_spec: AFDPayloadSpec
 
     def afd_ffn_forward(
-        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
 
 class FFNCompute(Protocol):
-    """Computes the FFN half of one MoE layer for the tokens of every served Attention rank."""
+    """Computes the FFN half of one MoE layer for the tokens of every served Attention rank
+    (``topk``: the global top-k ``(weights, ids)`` with expert parallelism, else ``None``)."""
 
     def __call__(
-        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -97,11 +108,18 @@ class NativeFusedMoECompute:
                 self._in_step = False
 
     def __call__(
-        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         scope = nullcontext() if self._in_step else self.step(hidden_states.shape[0])
         with scope:
-            out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits)
+            if topk is None:
+                out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits)
+            else:
+                out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits, topk)
         if out.shape != hidden_states.shape or out.dtype != hidden_states.dtype:
             raise RuntimeError(
                 f"FFN layer {layer_idx} returned shape={tuple(out.shape)} dtype={out.dtype}; "

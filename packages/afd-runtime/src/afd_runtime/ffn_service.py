@@ -15,6 +15,11 @@ Batching: the unit of work is (layer, stage) over all served Attention ranks; th
 concatenated in served-rank order, computed once and split back by each rank's count. A stage
 whose total is zero tokens runs no compute.
 
+Expert parallelism (``num_ffn_ranks > 1``): every FFN rank serves every Attention rank, but per
+(layer, stage) it gets only the tokens routed to its experts, with their global top-k ids and
+weights (``connector.recv_dispatch``); it computes the sum over its own experts and replies. A
+(layer, stage) that brings this rank no token is skipped at once (its peers sent only headers).
+
 Idle peers: the connector is lockstep (every served Attention rank announces every step). vLLM
 data parallelism keeps its ranks in lockstep already: while any rank has requests, every idle
 rank runs a dummy batch (one token) in the same iteration, so an idle rank costs its peers at
@@ -71,7 +76,7 @@ STATS_INTERVAL_S = 2.0
 #: The counters line (printed, not only logged, so log parsers find it without a prefix).
 STATS_FORMAT = (
     "AFD FFN rank={rank} stats steps={steps} compute_calls={calls} tokens={tokens} "
-    "peers={peers} layers={layers}"
+    "bytes={bytes} peers={peers} layers={layers}"
 )
 
 ConnectorFactory = Callable[[], AFDConnectorBase]
@@ -92,6 +97,7 @@ class FFNServiceStats:
     steps: int = 0
     compute_calls: int = 0
     tokens: int = 0
+    bytes: int = 0  # payload bytes received (every field, every layer)
 
     @property
     def tokens_per_call(self) -> float:
@@ -109,6 +115,21 @@ def batch_payloads(payloads: Sequence[AFDPayload]) -> tuple[torch.Tensor, torch.
     if payloads[0].router_logits is None:
         return hidden, None
     return hidden, _cat([p.router_logits for p in payloads if p.router_logits is not None])
+
+
+def batch_routed(
+    payloads: Sequence[AFDPayload],
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """Expert parallel: every peer's dispatched hidden states and global top-k
+    ``(weights, ids)``, concatenated in served-rank order."""
+    hidden = _cat([p.hidden_states for p in payloads])
+    weights = _cat([p.topk_weights for p in payloads])  # type: ignore[misc]
+    ids = _cat([p.topk_ids for p in payloads])  # type: ignore[misc]
+    return hidden, (weights, ids)
+
+
+def _payload_bytes(payloads: Sequence[AFDPayload]) -> int:
+    return sum(t.numel() * t.element_size() for p in payloads for t in p.tensors().values())
 
 
 class FFNService:
@@ -129,6 +150,7 @@ class FFNService:
         topology = AFDTopology.from_config(config)
         topology.check_role_rank("ffn", ffn_rank)
         self.num_peers = len(topology.attention_ranks_for(ffn_rank))
+        self.expert_parallel = topology.expert_parallel
         self.layer_indices = tuple(layer_indices)
         self.compute = compute
         # Decided once: a stepped compute gets one scope per step (see _serve_step).
@@ -267,6 +289,9 @@ class FFNService:
             self._serve_layers(connector, msg)
 
     def _serve_layers(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
+        if self.expert_parallel:
+            self._serve_dispatched(connector, msg)
+            return
         stats = self.stats
         for layer in self.layer_indices:
             for stage in range(msg.num_stages):
@@ -286,6 +311,28 @@ class FFNService:
                     stats.tokens += total
                 else:
                     out = batch_payloads(payloads)[0]  # zero rows for every peer
+                stats.bytes += _payload_bytes(payloads)
+                connector.send_ffn_output(out, meta)
+
+    def _serve_dispatched(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
+        """Expert parallel: per (layer, stage) the tokens each peer routed to this rank's
+        experts (any count, 0 included: nothing is computed or sent back then)."""
+        stats = self.stats
+        for layer in self.layer_indices:
+            for stage in range(msg.num_stages):
+                meta, payloads = connector.recv_dispatch(layer, stage)
+                total = sum(meta.num_tokens)
+                if not total:
+                    continue
+                hidden, topk = batch_routed(payloads)
+                try:
+                    out = self.compute(layer, hidden, None, topk)
+                except Exception as exc:
+                    connector.abort(f"ffn compute (layer {layer})", f"{type(exc).__name__}: {exc}")
+                    raise
+                stats.compute_calls += 1
+                stats.tokens += total
+                stats.bytes += _payload_bytes(payloads)
                 connector.send_ffn_output(out, meta)
 
     def _print_stats(self, force: bool = False) -> None:
@@ -300,6 +347,7 @@ class FFNService:
             steps=s.steps,
             calls=s.compute_calls,
             tokens=s.tokens,
+            bytes=s.bytes,
             peers=self.num_peers,
             layers=len(self.layer_indices),
         )

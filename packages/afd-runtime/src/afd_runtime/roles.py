@@ -42,7 +42,8 @@ def require_afd_config(vllm_config: Any, role: AFDRole) -> AFDConfig:
 
 
 def role_rank(vllm_config: Any, cfg: AFDConfig) -> int:
-    """The role rank of this worker: its data-parallel rank (checked against the topology)."""
+    """The role rank of this worker: an Attention worker's data-parallel rank (checked against
+    the topology), an FFN worker's ``ffn_rank``."""
     pc = vllm_config.parallel_config
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         size = int(getattr(pc, name, 1))
@@ -51,11 +52,15 @@ def role_rank(vllm_config: Any, cfg: AFDConfig) -> int:
                 f"parallel_config.{name}={size} is not supported by AFD yet; allowed: 1 "
                 "(scale the attention role with --data-parallel-size)"
             )
+    if cfg.role is AFDRole.FFN:
+        # One process per FFN rank (vLLM data parallelism is refused on the FFN role): the
+        # rank is the config's ffn_rank, checked against num_ffn_ranks when it was parsed.
+        return cfg.ffn_rank
     rank = getattr(pc, "data_parallel_index", None)
     if rank is None:
         rank = getattr(pc, "data_parallel_rank", 0)
     rank = int(rank or 0)
-    expected = cfg.num_attention_ranks if cfg.role is AFDRole.ATTENTION else cfg.num_ffn_ranks
+    expected = cfg.num_attention_ranks
     if not 0 <= rank < expected:
         field = "num_attention_ranks" if cfg.role is AFDRole.ATTENTION else "num_ffn_ranks"
         raise ValueError(

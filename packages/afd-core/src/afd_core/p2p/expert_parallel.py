@@ -56,8 +56,7 @@ class _ExpertParallelSide(_P2PLifecycle):
         if not self._expert_parallel:
             other = "send_attn_output" if role is AFDRole.ATTENTION else "recv_attn_output"
             raise AFDConnectorError(
-                f"{op} needs num_ffn_ranks > 1 (expert parallelism); with one FFN rank use "
-                f"{other}"
+                f"{op} needs num_ffn_ranks > 1 (expert parallelism); with one FFN rank use {other}"
             )
 
     # -- Attention side --------------------------------------------------------------------
@@ -81,9 +80,7 @@ class _ExpertParallelSide(_P2PLifecycle):
         ranks = self._ffn_world_ranks
         counts = metadata.num_tokens
         if len(counts) != len(ranks):
-            raise AFDPayloadError(
-                "num_tokens", counts, f"{len(ranks)} counts (one per FFN rank)"
-            )
+            raise AFDPayloadError("num_tokens", counts, f"{len(ranks)} counts (one per FFN rank)")
         payloads = list(payloads)
         if len(payloads) != len(ranks):
             raise AFDPayloadError(
@@ -145,7 +142,9 @@ class _ExpertParallelSide(_P2PLifecycle):
         for buf in state.buffers:
             if buf is None:
                 if empty is None:
-                    empty = torch.empty((0, self._hidden), dtype=self._out_dtype, device=self.device)
+                    empty = torch.empty(
+                        (0, self._hidden), dtype=self._out_dtype, device=self.device
+                    )
                 buf = empty
             out.append(buf)
         return out
@@ -181,8 +180,9 @@ class _ExpertParallelSide(_P2PLifecycle):
         for src in served:
             ahead = self._headers_ahead.pop((stage_idx, src), None)
             posted.append(ahead if ahead is not None else self._post_header(stage_idx, src))
-        self._wait([(work, src) for (_, work), src in zip(posted, served, strict=True)],
-                   "recv_dispatch")
+        self._wait(
+            [(work, src) for (_, work), src in zip(posted, served, strict=True)], "recv_dispatch"
+        )
         counts: list[int] = []
         for col, ((header, _), src) in enumerate(zip(posted, served, strict=True)):
             layer, stage, n = (int(v) for v in header.tolist())

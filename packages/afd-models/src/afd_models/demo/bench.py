@@ -4,15 +4,21 @@ One run measures, on this host:
 
 * the raw gloo round trip of a hidden-state-sized message (``[batch, hidden]`` float32) between
   two processes: the transfer floor of one MoE-layer hop;
-* the time per output token (TPOT) of plain vLLM and of an AFD pair (1 Attention : 1 FFN) at
-  each decode batch size, and of 2 Attention : 1 FFN at the largest one.
+* the time per output token (TPOT) of plain vLLM and of an AFD pair (1 Attention : 1 FFN, gate
+  on FFN) at each decode batch size, and of 2 Attention : 1 FFN (gate on FFN) at the largest one;
+* with the router gate on the Attention role, the TPOT of 1 Attention : F FFN ranks at each batch
+  size for each F of :attr:`BenchConfig.ffn_ranks` (F > 1 is expert parallelism: each FFN rank
+  holds ``1/F`` of the routed experts; F = 1 always runs as the reference), and the payload bytes
+  the Attention role sent per step: the sum over the FFN ranks of each rank's received
+  ``bytes / steps`` (its ``AFD FFN rank=<f> stats ...`` line), over the deployment's whole run
+  (warm-up rounds and every batch size: the same requests for every F), with its ratio to F = 1.
 
 TPOT of one request is ``(t_last - t_first) / (max_tokens - 1)`` over its streamed chunks (the
 decode phase only: prefill is before the first chunk); ``batch`` requests start together and run
 ``max_tokens`` tokens each (``ignore_eos``), so the engine decodes a batch of ``batch``
 throughout. Each row is the median over its requests and repeats, after one warm-up batch.
 
-Derived per row: ``TPOT_afd / TPOT_plain``, and the AFD overhead per MoE layer hop
+Derived per TPOT row: ``TPOT_afd / TPOT_plain``, and the AFD overhead per MoE layer hop
 ``(TPOT_afd - TPOT_plain) / L`` against the raw round trip of that batch. Targets on a 2-core
 host (issue "one data path"): ratio <= 1.5, overhead <= 3 x round trip.
 
@@ -37,8 +43,10 @@ from typing import Any, Final
 from afd_models.demo.servers import (
     DEFAULT_ENGINE_ENV,
     EngineOptions,
+    FFNStats,
     VLLMServer,
     afd_servers,
+    parse_ffn_stats,
     plain_server,
     stop_all,
     wait_until_healthy,
@@ -55,6 +63,8 @@ PLACEMENT_ENV: Final[Mapping[str, str]] = {
     "KMP_BLOCKTIME": "0",
 }
 BATCH_SIZES: Final[tuple[int, ...]] = (1, 4, 16)
+#: FFN rank counts of the gate-on-Attention ``1:F`` deployments (1 is the bytes reference).
+FFN_RANKS: Final[tuple[int, ...]] = (1, 2)
 #: The extra plain row: vLLM's own CPU threading (every core to the one worker), for reference.
 DEFAULT_THREADS_SETUP: Final[str] = "plain (vLLM default threads)"
 TARGET_RATIO: Final[float] = 1.5
@@ -66,6 +76,7 @@ class BenchConfig:
     """What ``afd bench`` runs (see the module docstring)."""
 
     batch_sizes: tuple[int, ...] = BATCH_SIZES
+    ffn_ranks: tuple[int, ...] = FFN_RANKS
     max_tokens: int = 48
     repeats: int = 3
     out: Path | None = None
@@ -76,17 +87,25 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
             raise ValueError(f"batch_sizes={self.batch_sizes!r}: each must be >= 1")
+        if not self.ffn_ranks or any(f < 1 for f in self.ffn_ranks):
+            raise ValueError(f"ffn_ranks={self.ffn_ranks!r}: each must be >= 1")
         if self.max_tokens < 4:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be >= 4")
         if self.repeats < 1:
             raise ValueError(f"repeats={self.repeats!r} must be >= 1")
+
+    @property
+    def gate_on_attention_ffn_ranks(self) -> tuple[int, ...]:
+        """The gate-on-Attention deployments' FFN rank counts, in run order: 1 (the reference)
+        first, then every other F of :attr:`ffn_ranks` ascending."""
+        return (1, *sorted({f for f in self.ffn_ranks if f > 1}))
 
 
 @dataclass(frozen=True)
 class TPOTRow:
     """One measured deployment at one batch size (times in milliseconds)."""
 
-    setup: str  # "plain", "afd 1:1", "afd 2:1"
+    setup: str  # "plain", "afd 1:1", "afd 2:1", "afd 1:2 gate-attn", ...
     batch: int
     tpot_ms: float
     tpot_samples_ms: tuple[float, ...] = field(repr=False)
@@ -108,6 +127,22 @@ class ComparedRow:
     @property
     def meets_targets(self) -> bool:
         return self.ratio <= TARGET_RATIO and self.overhead_in_round_trips <= TARGET_OVERHEAD_RT
+
+
+@dataclass(frozen=True)
+class TrafficRow:
+    """What one gate-on-Attention deployment's FFN ranks received over its whole run (tuples
+    per FFN rank). ``bytes_per_step`` is the sum over ranks of ``bytes / steps``, i.e. the
+    payload bytes the Attention role sent per step; ``ratio_vs_one_rank`` divides it by the
+    1-FFN-rank deployment's (None when that one sent nothing)."""
+
+    setup: str
+    num_ffn_ranks: int
+    steps: tuple[int, ...]
+    tokens: tuple[int, ...]
+    bytes: tuple[int, ...]
+    bytes_per_step: float
+    ratio_vs_one_rank: float | None
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,6 +314,55 @@ def compare(
     return rows
 
 
+def setup_name(num_attention_ranks: int, num_ffn_ranks: int, gate_on_attention: bool) -> str:
+    """``afd A:F`` (gate on FFN), ``afd A:F gate-attn`` (gate on Attention)."""
+    name = f"afd {num_attention_ranks}:{num_ffn_ranks}"
+    return f"{name} gate-attn" if gate_on_attention else name
+
+
+def traffic_row(
+    setup: str,
+    stats: Sequence[FFNStats | None],
+    reference_bytes_per_step: float | None = None,
+) -> TrafficRow:
+    """The :class:`TrafficRow` of a deployment from its FFN ranks' counters (``stats[i]`` of
+    FFN rank ``i``); ``reference_bytes_per_step`` is the 1-FFN-rank deployment's (None: this one
+    is the reference). Raises :class:`RuntimeError` when a rank printed no counters."""
+    missing = [rank for rank, s in enumerate(stats) if s is None]
+    if not stats or missing:
+        raise RuntimeError(f"{setup}: no stats line from FFN rank(s) {missing or [0]}")
+    ranks = [s for s in stats if s is not None]
+    per_step = sum(s.bytes_per_step for s in ranks)
+    reference = per_step if reference_bytes_per_step is None else reference_bytes_per_step
+    return TrafficRow(
+        setup,
+        len(ranks),
+        tuple(s.steps for s in ranks),
+        tuple(s.tokens for s in ranks),
+        tuple(s.bytes for s in ranks),
+        per_step,
+        per_step / reference if reference > 0 else None,
+    )
+
+
+def render_traffic(rows: Sequence[TrafficRow]) -> str:
+    """The bytes-per-step table (markdown)."""
+    lines = [
+        "| setup | FFN ranks | steps (per rank) | bytes sent per step (per rank) | vs 1 FFN rank |",
+        "|" + "---|" * 5,
+    ]
+    for r in rows:
+        per_rank = " + ".join(
+            f"{b / s:.0f}" if s else "0" for b, s in zip(r.bytes, r.steps, strict=True)
+        )
+        ratio = "n/a" if r.ratio_vs_one_rank is None else f"{r.ratio_vs_one_rank:.2f}"
+        lines.append(
+            f"| {r.setup} | {r.num_ffn_ranks} | {' / '.join(map(str, r.steps))} | "
+            f"{r.bytes_per_step:.0f} ({per_rank}) | {ratio} |"
+        )
+    return "\n".join(lines)
+
+
 def render(rows: Sequence[ComparedRow]) -> str:
     """The result table (markdown)."""
     head = (
@@ -324,9 +408,9 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
 
     afd_rows: list[TPOTRow] = []
     for attention_ranks, batches in ((1, cfg.batch_sizes), (2, (largest,))):
-        setup = f"afd {attention_ranks}:1"
+        setup = setup_name(attention_ranks, 1, gate_on_attention=False)
         progress(setup)
-        attention, ffn = afd_servers(
+        attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
             options=_options(cfg, PLACEMENT_ENV),
@@ -335,24 +419,47 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             prefix=f"bench-{attention_ranks}a1f",
             progress=progress,
         )
-        afd_rows += _run_setup([attention, ffn], attention, batches, cfg, setup)
+        afd_rows += _run_setup([attention, *ffns], attention, batches, cfg, setup)
+
+    # Gate on Attention, 1:F; F = 1 first: the bytes-per-step reference.
+    traffic: list[TrafficRow] = []
+    for num_ffn_ranks in cfg.gate_on_attention_ffn_ranks:
+        setup = setup_name(1, num_ffn_ranks, gate_on_attention=True)
+        progress(setup)
+        attention, ffns = afd_servers(
+            model,
+            log_dir=log_dir,
+            options=_options(cfg, PLACEMENT_ENV),
+            num_attention_ranks=1,
+            num_ffn_ranks=num_ffn_ranks,
+            gate_on_attention=True,
+            prefix=f"bench-1a{num_ffn_ranks}f-gate-attn",
+            progress=progress,
+        )
+        afd_rows += _run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, setup)
+        stats = [parse_ffn_stats(f.log_text()).get(rank) for rank, f in enumerate(ffns)]
+        reference = traffic[0].bytes_per_step if traffic else None
+        traffic.append(traffic_row(setup, stats, reference))
 
     rows = compare([r for r in plain_rows if r.setup == "plain"], afd_rows, round_trip, layers)
     result = {
         "model": f"tiny qwen3_moe (hidden {hidden}, {layers} MoE layers)",
         "max_tokens": cfg.max_tokens,
         "repeats": cfg.repeats,
+        "ffn_ranks": list(cfg.gate_on_attention_ffn_ranks),
         "env": dict(PLACEMENT_ENV),
         "default_threads_env": dict(DEFAULT_ENGINE_ENV),
         "raw_round_trip_ms": {str(b): v for b, v in round_trip.items()},
         "tpot": [asdict(r) for r in (*plain_rows, *afd_rows)],
         "compared": [{**asdict(r), "meets_targets": r.meets_targets} for r in rows],
+        "traffic": [asdict(r) for r in traffic],
         "targets": {"ratio_max": TARGET_RATIO, "overhead_round_trips_max": TARGET_OVERHEAD_RT},
     }
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(result, indent=2) + "\n")
     progress(render(rows))
+    progress(render_traffic(traffic))
     default = {r.batch: r.tpot_ms for r in plain_rows if r.setup == DEFAULT_THREADS_SETUP}
     progress(
         "plain with vLLM's default CPU threading (reference): "

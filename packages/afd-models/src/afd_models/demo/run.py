@@ -1,12 +1,14 @@
 """``afd demo``: serve one model with plain vLLM and with the AFD roles, compare, report.
 
 Flow: build (or reuse) the tiny checkpoint unless a model path is given; run plain ``vllm serve``,
-send the prompts (concurrently), record tokens/s and RSS, stop it; start the FFN and Attention
-roles, send the same prompts to the Attention role, record tokens/s, RSS per role process tree and
-the parameter bytes each role reports (``AFD role=<role> param_bytes=<n>`` log lines), stop both
-(Attention first) and read the FFN's batching counters (``AFD FFN rank=<f> stats ...``). Each
-server gets one untimed request before the timed batch. The report holds per-prompt parity; the demo fails when any prompt differs.
-At most two engines run at a time.
+send the prompts (concurrently), record tokens/s and RSS, stop it; start the FFN rank servers
+(one per FFN rank, each holding ``1/F`` of the routed experts) and the Attention role, send the
+same prompts to the Attention role, record tokens/s, RSS per role process tree and the parameter
+bytes each role reports (``AFD role=<role> param_bytes=<n>`` log lines), stop them all (Attention
+first) and read each FFN rank's counters (``AFD FFN rank=<f> stats ...``: batching, tokens and
+payload bytes received). Each server gets one untimed request before the timed batch. The report
+holds per-prompt parity; the demo fails when any prompt differs. At most ``1 + F`` engines run
+at a time (plain alone first).
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class DemoConfig:
     family: TinyFamily = "qwen3_moe"
     seed: int = 0
     num_attention_ranks: int = 1
+    num_ffn_ranks: int = 1
     gate_on_attention: bool = False
     prompts: tuple[str, ...] = DEMO_PROMPTS
     max_tokens: int = 16
@@ -54,6 +57,13 @@ class DemoConfig:
         if self.num_attention_ranks < 1:
             raise ValueError(
                 f"DemoConfig.num_attention_ranks={self.num_attention_ranks!r} must be >= 1"
+            )
+        if self.num_ffn_ranks < 1:
+            raise ValueError(f"DemoConfig.num_ffn_ranks={self.num_ffn_ranks!r} must be >= 1")
+        if self.num_ffn_ranks > 1 and not self.gate_on_attention:
+            raise ValueError(
+                f"DemoConfig.num_ffn_ranks={self.num_ffn_ranks!r} > 1 needs "
+                "gate_on_attention=True (expert parallelism runs the router gate on Attention)"
             )
         if self.max_tokens < 1:
             raise ValueError(f"DemoConfig.max_tokens={self.max_tokens!r} must be >= 1")
@@ -75,6 +85,18 @@ class ServerStats:
 
 
 @dataclass(frozen=True)
+class FFNRankStats:
+    """One FFN rank of the AFD deployment: its server, the (routed-expert) parameter bytes it
+    reports (``AFD role=ffn param_bytes=<n>``, one entry per worker) and its last counters line
+    (None when absent)."""
+
+    rank: int
+    name: str
+    param_bytes: tuple[int, ...] | None
+    stats: FFNStats | None
+
+
+@dataclass(frozen=True)
 class DemoReport:
     """Everything ``afd demo`` prints; ``ok`` is parity on every prompt."""
 
@@ -82,7 +104,7 @@ class DemoReport:
     topology: str
     parity: ParityResult
     servers: tuple[ServerStats, ...]
-    ffn_stats: FFNStats | None = None
+    ffn_ranks: tuple[FFNRankStats, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -90,6 +112,7 @@ class DemoReport:
 
 
 def _fmt_bytes(n: int | None) -> str:
+    """``n`` bytes in B (exact), KiB, MiB or GiB (one decimal); ``n/a`` for None."""
     if n is None:
         return "n/a"
     value = float(n)
@@ -144,13 +167,36 @@ def render_report(report: DemoReport) -> str:
     ]
     out += _table(["server", "role", "tokens/s", "weight bytes (per rank)", "RSS (tree)"], srows)
     out.append("")
-    f = report.ffn_stats
-    if f is not None:
-        out.append(
-            f"FFN rank {f.rank} batching: {f.steps} steps, {f.compute_calls} compute calls "
-            f"({f.calls_per_step:.1f} per step over {f.layers} MoE layers, {f.peers} Attention "
-            f"rank(s) per call), {f.tokens} tokens ({f.tokens_per_call:.1f} per call)"
-        )
+    if report.ffn_ranks:
+        frows = [
+            [
+                str(r.rank),
+                r.name,
+                _fmt_param_bytes(r.param_bytes),
+                "n/a" if r.stats is None else f"{r.stats.tokens_per_step:.1f}",
+                "n/a" if r.stats is None else _fmt_bytes(round(r.stats.bytes_per_step)),
+            ]
+            for r in report.ffn_ranks
+        ]
+        header = [
+            "ffn rank",
+            "server",
+            "routed-expert bytes",
+            "tokens received/step",
+            "bytes received/step",
+        ]
+        out += _table(header, frows)
+        out.append("")
+        for r in report.ffn_ranks:
+            f = r.stats
+            if f is None:
+                continue
+            out.append(
+                f"FFN rank {f.rank} batching: {f.steps} steps, {f.compute_calls} compute calls "
+                f"({f.calls_per_step:.1f} per step over {f.layers} MoE layers, {f.peers} "
+                f"Attention rank(s) per call), {f.tokens} tokens ({f.tokens_per_call:.1f} per "
+                "call)"
+            )
         out.append("")
     n_bad = len(report.parity.mismatches)
     out.append(
@@ -206,32 +252,42 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         plain.stop()
     plain_stats = ServerStats("plain", "monolithic", base.tokens_per_s, plain_rss, None)
 
-    attention, ffn = afd_servers(
+    attention, ffns = afd_servers(
         model,
         log_dir=log_dir,
         options=options,
         num_attention_ranks=cfg.num_attention_ranks,
+        num_ffn_ranks=cfg.num_ffn_ranks,
         gate_on_attention=cfg.gate_on_attention,
         progress=progress,
     )
-    ffn.start()
-    attention.start()
     try:
-        wait_until_healthy([ffn, attention])
+        for ffn in ffns:
+            ffn.start()
+        attention.start()
+        wait_until_healthy([*ffns, attention])
         afd = _run_batch(attention, cfg, progress)
-        ffn.check_alive()
-        rss = {s.name: process_tree_rss(s.pid) if s.pid else None for s in (attention, ffn)}
+        for ffn in ffns:
+            ffn.check_alive()
+        rss = {s.name: process_tree_rss(s.pid) if s.pid else None for s in (attention, *ffns)}
     finally:
-        stop_all([attention, ffn])
+        stop_all([attention, *ffns])
     att_bytes = parse_param_bytes(attention.log_text()).get("attention")
-    ffn_bytes = parse_param_bytes(ffn.log_text()).get("ffn")
+    ffn_ranks = tuple(
+        FFNRankStats(
+            rank,
+            ffn.name,
+            parse_param_bytes(ffn.log_text()).get("ffn"),
+            parse_ffn_stats(ffn.log_text()).get(rank),
+        )
+        for rank, ffn in enumerate(ffns)
+    )
     servers = (
         plain_stats,
         ServerStats(attention.name, "attention", afd.tokens_per_s, rss[attention.name], att_bytes),
-        ServerStats(ffn.name, "ffn", None, rss[ffn.name], ffn_bytes),
+        *(ServerStats(r.name, "ffn", None, rss[r.name], r.param_bytes) for r in ffn_ranks),
     )
     gate = "attention" if cfg.gate_on_attention else "ffn"
-    topology = f"{cfg.num_attention_ranks} attention : 1 ffn, gate on {gate}"
+    topology = f"{cfg.num_attention_ranks} attention : {cfg.num_ffn_ranks} ffn, gate on {gate}"
     parity = compare_parity(base.completions, afd.completions)
-    ffn_stats = parse_ffn_stats(ffn.log_text()).get(0)
-    return DemoReport(str(model), topology, parity, servers, ffn_stats)
+    return DemoReport(str(model), topology, parity, servers, ffn_ranks)

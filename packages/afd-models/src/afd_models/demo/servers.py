@@ -5,8 +5,8 @@
   a crashed process at once (exit code + log tail) and stops with SIGTERM, then SIGKILL after a
   timeout (reported in :class:`StopResult`).
 * :func:`afd_role_args` is the single place the AFD role launch arguments are defined;
-  :func:`plain_server` and :func:`afd_servers` build unstarted servers sharing
-  :class:`EngineOptions`.
+  :func:`plain_server` and :func:`afd_servers` (one Attention server and one server per FFN rank)
+  build unstarted servers sharing :class:`EngineOptions`.
 * :func:`parse_param_bytes` and :func:`process_tree_rss` are the demo's per-server measurements.
 
 Servers run ``python -m afd_models.cli serve MODEL ...``, which is ``vllm serve`` (see
@@ -89,10 +89,21 @@ class ServerStartTimeoutError(ServerError):
 
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 when asked (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> tuple[int, ...]:
+    """``count`` distinct TCP ports that were free on 127.0.0.1 when asked (all bound at once, so
+    the OS cannot hand out one twice)."""
+    if count < 1:
+        raise ValueError(f"count={count!r} must be >= 1")
+    with contextlib.ExitStack() as stack:
+        ports = []
+        for _ in range(count):
+            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            s.bind(("127.0.0.1", 0))
+            ports.append(int(s.getsockname()[1]))
+        return tuple(ports)
 
 
 def vllm_serve_command(
@@ -131,9 +142,17 @@ def afd_config(
     num_attention_ranks: int,
     num_ffn_ranks: int = 1,
     gate_on_attention: bool,
+    ffn_rank: int = 0,
     extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The ``additional_config["afd"]`` mapping for one role (validated before use)."""
+    """The ``additional_config["afd"]`` mapping for one role (validated before use).
+
+    ``ffn_rank`` (``0..num_ffn_ranks-1``) selects the FFN rank, i.e. which ``1/num_ffn_ranks``
+    of the routed experts the server holds; it is emitted for the FFN role only (it must stay 0
+    for the Attention role). ``num_ffn_ranks > 1`` (expert parallelism) needs
+    ``gate_on_attention``: the FFN ranks hold disjoint experts, so the router runs before the
+    dispatch, on the Attention role.
+    """
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not one of {ROLES}")
     if not 0 < afd_port < 65536:
@@ -142,6 +161,20 @@ def afd_config(
         raise ValueError(f"num_attention_ranks={num_attention_ranks!r} must be >= 1")
     if num_ffn_ranks < 1:
         raise ValueError(f"num_ffn_ranks={num_ffn_ranks!r} must be >= 1")
+    if num_ffn_ranks > 1 and not gate_on_attention:
+        raise ValueError(
+            f"num_ffn_ranks={num_ffn_ranks!r} > 1 needs gate_on_attention=True (the FFN ranks "
+            "hold disjoint experts, so the router gate must run on the Attention role)"
+        )
+    if isinstance(ffn_rank, bool) or not isinstance(ffn_rank, int):
+        raise ValueError(f"ffn_rank={ffn_rank!r} must be an int")
+    if role == "ffn" and not 0 <= ffn_rank < num_ffn_ranks:
+        raise ValueError(
+            f"ffn_rank={ffn_rank!r} must be in 0..{num_ffn_ranks - 1} "
+            f"(num_ffn_ranks={num_ffn_ranks})"
+        )
+    if role != "ffn" and ffn_rank != 0:
+        raise ValueError(f"ffn_rank={ffn_rank!r} is an FFN-role field; role={role!r} needs 0")
     cfg: dict[str, Any] = {
         "role": role,
         "port": afd_port,
@@ -149,8 +182,10 @@ def afd_config(
         "num_ffn_ranks": num_ffn_ranks,
         "compute_gate_on_attention": bool(gate_on_attention),
     }
+    if role == "ffn":
+        cfg["ffn_rank"] = ffn_rank
     for key, value in (extra or {}).items():
-        if key in cfg:
+        if key in cfg or key == "ffn_rank":
             raise ValueError(f"extra key {key!r} would override a core AFD field")
         cfg[key] = value
     return cfg
@@ -163,6 +198,7 @@ def afd_role_args(
     num_attention_ranks: int,
     num_ffn_ranks: int = 1,
     gate_on_attention: bool,
+    ffn_rank: int = 0,
     extra: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The ``vllm serve`` arguments that make a server an AFD role.
@@ -170,7 +206,7 @@ def afd_role_args(
     This is the single definition of the role launch: ``--additional-config '{"afd": {...}}'``
     plus ``--data-parallel-size A --api-server-count 1`` for the Attention role when ``A > 1``
     (one Attention engine core per rank behind one API server, all connected to the FFN role on
-    ``afd_port``).
+    ``afd_port``). An FFN role server is one FFN rank (``ffn_rank``, see :func:`afd_config`).
     """
     cfg = afd_config(
         role,
@@ -178,6 +214,7 @@ def afd_role_args(
         num_attention_ranks=num_attention_ranks,
         num_ffn_ranks=num_ffn_ranks,
         gate_on_attention=gate_on_attention,
+        ffn_rank=ffn_rank,
         extra=extra,
     )
     args = ["--additional-config", json.dumps({"afd": cfg}, sort_keys=True)]
@@ -454,7 +491,8 @@ def wait_until_healthy(
 
 
 def stop_all(servers: Iterable[VLLMServer], timeout_s: float = 60.0) -> list[StopResult]:
-    """Stop servers in the given order (Attention before FFN is the clean order for AFD)."""
+    """Stop servers in the given order (Attention before the FFN ranks is the clean order for
+    AFD: ``stop_all([attention, *ffns])``)."""
     return [s.stop(timeout_s) for s in servers]
 
 
@@ -553,6 +591,11 @@ def plain_server(
     return VLLMServer(cfg, progress)
 
 
+def ffn_server_name(prefix: str, ffn_rank: int, num_ffn_ranks: int) -> str:
+    """``<prefix>-ffn`` for the single FFN rank, ``<prefix>-ffn<i>`` with several."""
+    return f"{prefix}-ffn" if num_ffn_ranks == 1 else f"{prefix}-ffn{ffn_rank}"
+
+
 def afd_servers(
     model: str | Path,
     *,
@@ -564,31 +607,52 @@ def afd_servers(
     afd_extra: Mapping[str, Any] | None = None,
     prefix: str = "afd",
     progress: Progress | None = None,
-) -> tuple[VLLMServer, VLLMServer]:
-    """Unstarted ``(attention, ffn)`` role servers of ``model`` sharing a free AFD port.
+) -> tuple[VLLMServer, tuple[VLLMServer, ...]]:
+    """Unstarted ``(attention, ffns)`` role servers of ``model`` sharing one free AFD port.
 
-    Start both, then :func:`wait_until_healthy` on both; stop the Attention role first.
+    ``ffns`` holds one server per FFN rank (``ffns[i]`` has ``ffn_rank`` ``i``), each on its own
+    HTTP port, named by :func:`ffn_server_name` (``<prefix>-ffn`` when ``num_ffn_ranks == 1``,
+    else ``<prefix>-ffn<i>``); the Attention server is ``<prefix>-attention``. Start them all,
+    then :func:`wait_until_healthy` on all; stop the Attention role first
+    (``stop_all([attention, *ffns])``).
     """
-    afd_port = free_port()
-    servers = []
-    roles: tuple[AfdRole, AfdRole] = ("attention", "ffn")
-    for role in roles:
-        port = free_port()
+    if num_ffn_ranks < 1:
+        raise ValueError(f"num_ffn_ranks={num_ffn_ranks!r} must be >= 1")
+    afd_port, attention_port, *ffn_ports = free_ports(2 + num_ffn_ranks)
+    ffn_role: AfdRole = "ffn"
+    launches: list[tuple[str, int, list[str]]] = [
+        (
+            f"{prefix}-attention",
+            attention_port,
+            afd_role_args(
+                "attention",
+                afd_port=afd_port,
+                num_attention_ranks=num_attention_ranks,
+                num_ffn_ranks=num_ffn_ranks,
+                gate_on_attention=gate_on_attention,
+                extra=afd_extra,
+            ),
+        )
+    ]
+    for rank, port in enumerate(ffn_ports):
         role_args = afd_role_args(
-            role,
+            ffn_role,
             afd_port=afd_port,
             num_attention_ranks=num_attention_ranks,
             num_ffn_ranks=num_ffn_ranks,
             gate_on_attention=gate_on_attention,
+            ffn_rank=rank,
             extra=afd_extra,
         )
+        launches.append((ffn_server_name(prefix, rank, num_ffn_ranks), port, role_args))
+    servers = []
+    for name, port, role_args in launches:
         argv = vllm_serve_command(
             model,
             port,
             extra_args=[*options.args(), *role_args],
             max_model_len=options.max_model_len,
         )
-        name = f"{prefix}-{role}"
         cfg = ServerConfig(
             name=name,
             argv=tuple(argv),
@@ -598,7 +662,7 @@ def afd_servers(
             startup_timeout_s=options.startup_timeout_s,
         )
         servers.append(VLLMServer(cfg, progress))
-    return servers[0], servers[1]
+    return servers[0], tuple(servers[1:])
 
 
 # --------------------------------------------------------------------------------------------
@@ -617,18 +681,23 @@ def parse_param_bytes(log_text: str) -> dict[str, tuple[int, ...]]:
 
 _FFN_STATS_RE = re.compile(
     r"AFD FFN rank=(?P<rank>\d+) stats steps=(?P<steps>\d+) compute_calls=(?P<calls>\d+) "
-    r"tokens=(?P<tokens>\d+) peers=(?P<peers>\d+) layers=(?P<layers>\d+)"
+    r"tokens=(?P<tokens>\d+) bytes=(?P<bytes>\d+) peers=(?P<peers>\d+) layers=(?P<layers>\d+)"
 )
 
 
 @dataclass(frozen=True)
 class FFNStats:
-    """The last counters an FFN rank printed (``afd_runtime.ffn_service.STATS_FORMAT``)."""
+    """The last counters an FFN rank printed (``afd_runtime.ffn_service.STATS_FORMAT``).
+
+    ``tokens`` and ``bytes`` are what the rank received (every layer, every step; ``bytes`` is
+    payload bytes); the ``*_per_step`` and ``*_per_call`` means are 0.0 before the first step
+    (call)."""
 
     rank: int
     steps: int
     compute_calls: int
     tokens: int
+    bytes: int
     peers: int
     layers: int
 
@@ -640,6 +709,14 @@ class FFNStats:
     def tokens_per_call(self) -> float:
         return self.tokens / self.compute_calls if self.compute_calls else 0.0
 
+    @property
+    def tokens_per_step(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+    @property
+    def bytes_per_step(self) -> float:
+        return self.bytes / self.steps if self.steps else 0.0
+
 
 def parse_ffn_stats(log_text: str) -> dict[int, FFNStats]:
     """The last counters line of each FFN rank in ``log_text``."""
@@ -647,12 +724,13 @@ def parse_ffn_stats(log_text: str) -> dict[int, FFNStats]:
     for m in _FFN_STATS_RE.finditer(log_text):
         rank = int(m["rank"])
         out[rank] = FFNStats(
-            rank,
-            int(m["steps"]),
-            int(m["calls"]),
-            int(m["tokens"]),
-            int(m["peers"]),
-            int(m["layers"]),
+            rank=rank,
+            steps=int(m["steps"]),
+            compute_calls=int(m["calls"]),
+            tokens=int(m["tokens"]),
+            bytes=int(m["bytes"]),
+            peers=int(m["peers"]),
+            layers=int(m["layers"]),
         )
     return out
 

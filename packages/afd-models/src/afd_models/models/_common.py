@@ -30,7 +30,9 @@ from typing import Any, ClassVar
 
 import torch
 from afd_core.config import AFDConfig, AFDRole, parse_afd_config
+from afd_core.expert_map import ExpertMap
 from afd_core.metadata import AFDPayloadSpec
+from afd_core.topology import AFDTopology
 from afd_weights import param_bytes
 from torch import nn
 
@@ -44,10 +46,24 @@ def afd_config_of(vllm_config: Any) -> AFDConfig | None:
 
 
 def attention_payload_spec(
-    vllm_config: Any, *, num_experts: int, gate_on_attention: bool, router_dtype: Any = None
+    vllm_config: Any,
+    *,
+    num_experts: int,
+    gate_on_attention: bool,
+    router_dtype: Any = None,
+    top_k: int | None = None,
 ) -> AFDPayloadSpec:
-    """The payload an Attention adapter sends per MoE layer (hidden states, + logits if gated)."""
+    """The payload an Attention adapter sends per MoE layer: hidden states, + router logits when
+    the gate is on Attention; with expert parallelism (``num_ffn_ranks > 1``) hidden states +
+    the global top-k ids and weights (``top_k`` required)."""
     dtype = vllm_config.model_config.dtype
+    afd = afd_config_of(vllm_config)
+    if afd is not None and afd.num_ffn_ranks > 1:
+        if top_k is None:
+            raise ValueError("top_k is required for the expert-parallel payload")
+        return AFDPayloadSpec(
+            hidden_size=int(vllm_config.model_config.get_hidden_size()), dtype=dtype, top_k=top_k
+        )
     return AFDPayloadSpec(
         hidden_size=int(vllm_config.model_config.get_hidden_size()),
         dtype=dtype,
@@ -78,10 +94,16 @@ class RemoteMoEBlock(nn.Module):
         routed_scaling_factor: float = 1.0,
         gate_attr: str = "gate",
         shared_attr: str = "shared_experts",
+        router: Any = None,
+        num_experts: int | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
         self.routed_scaling_factor = routed_scaling_factor
+        # Expert parallel: the model's own vLLM router (the one plain vLLM's FusedMoE builds
+        # from the same arguments), so the top-k sent to the FFN ranks is plain vLLM's.
+        self.afd_router = router
+        self.afd_num_experts = num_experts
         self._gate_attr = gate_attr
         self._shared_attr = shared_attr
         setattr(self, gate_attr, gate)
@@ -95,7 +117,14 @@ class RemoteMoEBlock(nn.Module):
         shared_experts = getattr(self, self._shared_attr)
         router_logits = gate(x)[0] if gate is not None else None
         shared = shared_experts(x) if shared_experts is not None else None
-        routed = torch.ops.afd.remote_ffn(x, router_logits, self.layer_idx)
+        if self.afd_router is not None:
+            assert router_logits is not None and self.afd_num_experts is not None
+            weights, ids = self.afd_router.select_experts(x, router_logits)
+            routed = torch.ops.afd.remote_ffn_routed(
+                x, weights, ids, self.layer_idx, self.afd_num_experts
+            )
+        else:
+            routed = torch.ops.afd.remote_ffn(x, router_logits, self.layer_idx)
         scale = self.routed_scaling_factor
         if scale != 1.0:
             # vLLM's MoERunner._maybe_apply_routed_scale_to_output, verbatim in effect.
@@ -117,11 +146,18 @@ class FFNMoEBlock(nn.Module):
         experts: nn.Module,
         routed_scaling_factor: float,
         gate_on_ffn: bool,
+        expert_map: ExpertMap | None = None,
+        ffn_rank: int = 0,
     ) -> None:
         super().__init__()
         self.gate = gate
         self.gate_on_ffn = gate_on_ffn
         self.experts = experts
+        # Expert parallel: this rank's experts of ``expert_map``; forward() is given the global
+        # top-k and the FusedMoE (built by build_expert_parallel_experts) computes local slots.
+        self.expert_map = expert_map
+        self.ffn_rank = ffn_rank
+        self._local_table = None if expert_map is None else expert_map.local_table(ffn_rank)
         # The Attention side applies upstream's routed scaling rule (see RemoteMoEBlock), so the
         # runner returns the unscaled routed output.
         self.upstream_routed_scaling_factor = routed_scaling_factor
@@ -129,8 +165,20 @@ class FFNMoEBlock(nn.Module):
             setattr(experts, "routed_scaling_factor", 1.0)  # noqa: B010 - nn.Module attr typing
 
     def forward(
-        self, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+        self,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if topk is not None:
+            if self.expert_map is None:
+                raise ValueError("top-k given to an FFN block without an expert map")
+            weights, ids = self.expert_map.localise(
+                self.ffn_rank, topk[0], topk[1], self._local_table
+            )
+            return self.experts(
+                hidden_states=hidden_states, router_logits=pack_local_topk(weights, ids)
+            )
         if not self.gate_on_ffn:
             if router_logits is None:
                 raise ValueError(
@@ -140,6 +188,62 @@ class FFNMoEBlock(nn.Module):
             return self.experts(hidden_states=hidden_states, router_logits=router_logits)
         # The MoERunner holds the gate and computes the logits itself, exactly as upstream.
         return self.experts(hidden_states=hidden_states, router_logits=hidden_states)
+
+
+def pack_local_topk(weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rank-local top-k ``[n, k]`` weights and ids as one float32 ``[n, 2k]`` tensor: what the
+    expert-parallel FusedMoE gets as its "router logits" (ids < 2**24 are exact in float32)."""
+    return torch.cat([weights.to(torch.float32), ids.to(torch.float32)], dim=1)
+
+
+def given_topk_routing(
+    hidden_states: torch.Tensor, gating_output: torch.Tensor, topk: int, renormalize: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM ``custom_routing_function`` of an expert-parallel FFN rank: the routing was done on
+    the Attention role (the model's router) and localised by :class:`FFNMoEBlock`; this only
+    unpacks :func:`pack_local_topk` (no renormalisation: the weights are final)."""
+    k = gating_output.shape[1] // 2
+    if k != topk:
+        raise ValueError(f"packed top-k has {k} slots; this FusedMoE was built for {topk}")
+    return gating_output[:, :k].contiguous(), gating_output[:, k:].to(torch.int32).contiguous()
+
+
+def build_expert_parallel_experts(
+    vllm_config: Any,
+    prefix: str,
+    *,
+    num_local: int,
+    top_k: int,
+    hidden_size: int,
+    intermediate_size: int,
+) -> nn.Module:
+    """The FusedMoE of an expert-parallel FFN rank: ``num_local`` experts, ``min(top_k,
+    num_local)`` slots per token, the routing given (:func:`given_topk_routing`), no gate, no
+    shared experts, no routed scaling (the Attention role applies upstream's scaling rule)."""
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+
+    return FusedMoEFactory(
+        shared_experts=None,
+        gate=None,
+        num_experts=num_local,
+        top_k=min(top_k, num_local),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        renormalize=False,
+        quant_config=vllm_config.quant_config,
+        custom_routing_function=given_topk_routing,
+        prefix=f"{prefix}.experts",
+    )
+
+
+def build_router(**router_kwargs: Any) -> Any:
+    """vLLM's MoE router for ``router_kwargs`` (``create_fused_moe_router``'s arguments, the
+    ones upstream's FusedMoE passes): the Attention role routes exactly like plain vLLM."""
+    from vllm.model_executor.layers.fused_moe.router.router_factory import (
+        create_fused_moe_router,
+    )
+
+    return create_fused_moe_router(**router_kwargs)
 
 
 class _FFNLayer(nn.Module):
@@ -171,8 +275,10 @@ class AFDFFNCausalLM(nn.Module):
         payload_spec: AFDPayloadSpec,
         prefix: str = "",
         weights_mapper: Any = None,
+        local_experts: tuple[int, ...] | None = None,
     ) -> None:
         super().__init__()
+        self._local_experts = local_experts
         self.afd_moe_layer_indices: tuple[int, ...] = tuple(moe_layer_indices)
         self.afd_payload_spec = payload_spec
         wanted = set(self.afd_moe_layer_indices)
@@ -187,10 +293,16 @@ class AFDFFNCausalLM(nn.Module):
         self.afd_filter_stats = FilterStats()
 
     def afd_ffn_forward(
-        self, layer_idx: int, hidden_states: torch.Tensor, router_logits: torch.Tensor | None
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         block: Any = self.model.layers[layer_idx].mlp
-        return block(hidden_states, router_logits)
+        if topk is None:
+            return block(hidden_states, router_logits)
+        return block(hidden_states, router_logits, topk)
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise RuntimeError("the AFD FFN model is driven by the FFN service, not by forward()")
@@ -198,7 +310,13 @@ class AFDFFNCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         from vllm.model_executor.models.utils import AutoWeightsLoader
 
-        kept = filter_role_weights(weights, AFDRole.FFN, self._classify, self.afd_filter_stats)
+        kept = filter_role_weights(
+            weights,
+            AFDRole.FFN,
+            self._classify,
+            self.afd_filter_stats,
+            local_experts=self._local_experts,
+        )
         loader = AutoWeightsLoader(self)
         loaded = set(loader.load_weights(kept, mapper=self._mapper))
         self.afd_param_bytes = param_bytes(self)  # before vLLM's post-load repacking
@@ -255,6 +373,17 @@ class AFDRoleModelMixin:
         raise NotImplementedError
 
     @staticmethod
+    def _afd_top_k(config: Any) -> int:
+        """Routed experts per token."""
+        return int(config.num_experts_per_tok)
+
+    @staticmethod
+    def _afd_router_kwargs(config: Any) -> dict[str, Any]:
+        """``create_fused_moe_router`` arguments of upstream's FusedMoE (expert parallelism
+        routes on the Attention role with them)."""
+        raise NotImplementedError
+
+    @staticmethod
     def _afd_router_dtype(config: Any) -> Any:
         """The router-logits dtype (``None``: the model dtype)."""
         return None
@@ -281,6 +410,47 @@ class AFDRoleModelMixin:
             num_experts=cls._afd_num_experts(config),
             gate_on_attention=afd.compute_gate_on_attention,
             router_dtype=cls._afd_router_dtype(config),
+            top_k=cls._afd_top_k(config),
+        )
+
+    @classmethod
+    def _afd_expert_map(cls, vllm_config: Any, afd: AFDConfig) -> ExpertMap | None:
+        """The placement of the routed experts when expert parallel (``None`` with one FFN)."""
+        if afd.num_ffn_ranks == 1:
+            return None
+        config = cls._afd_hf_config(vllm_config)
+        return AFDTopology.from_config(afd).expert_map(cls._afd_num_experts(config))
+
+    @classmethod
+    def afd_attention_router(cls, vllm_config: Any) -> tuple[Any, int] | None:
+        """Expert parallel, Attention role: ``(vLLM router, num_experts)`` for the adapter's
+        :class:`RemoteMoEBlock` (``None`` with one FFN rank)."""
+        afd = afd_config_of(vllm_config)
+        if afd is None or afd.num_ffn_ranks == 1:
+            return None
+        config = cls._afd_hf_config(vllm_config)
+        return build_router(**cls._afd_router_kwargs(config)), cls._afd_num_experts(config)
+
+    @classmethod
+    def _afd_build_ep_block(
+        cls, vllm_config: Any, prefix: str, emap: ExpertMap, ffn_rank: int
+    ) -> FFNMoEBlock:
+        config = cls._afd_hf_config(vllm_config)
+        experts = build_expert_parallel_experts(
+            vllm_config,
+            prefix,
+            num_local=emap.num_local(ffn_rank),
+            top_k=cls._afd_top_k(config),
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+        )
+        return FFNMoEBlock(
+            gate=None,
+            experts=experts,
+            routed_scaling_factor=1.0,
+            gate_on_ffn=False,
+            expert_map=emap,
+            ffn_rank=ffn_rank,
         )
 
     @classmethod
@@ -290,14 +460,28 @@ class AFDRoleModelMixin:
         afd = afd_config_of(vllm_config)
         assert afd is not None
         gate_on_attention = afd.compute_gate_on_attention
+        emap = cls._afd_expert_map(vllm_config, afd)
+        build_block: Callable[[int, str], FFNMoEBlock]
+        if emap is None:
+            local = None
+
+            def build_block(_i: int, p: str) -> FFNMoEBlock:
+                return cls._afd_build_ffn_block(vllm_config, p, gate_on_attention)
+        else:
+            local = emap.local_experts(afd.ffn_rank)
+
+            def build_block(_i: int, p: str) -> FFNMoEBlock:
+                return cls._afd_build_ep_block(vllm_config, p, emap, afd.ffn_rank)
+
         return AFDFFNCausalLM(
             num_layers=config.num_hidden_layers,
             moe_layer_indices=cls._afd_moe_layer_indices(config),
-            build_block=lambda _i, p: cls._afd_build_ffn_block(vllm_config, p, gate_on_attention),
+            build_block=build_block,
             classify=cls._afd_classifier(config, gate_on_attention),
             payload_spec=cls._afd_payload_spec(vllm_config, afd),
             prefix=prefix,
             weights_mapper=cls._afd_weights_mapper,
+            local_experts=local,
         )
 
     def _afd_init_attention_role(self, vllm_config: Any, afd: AFDConfig) -> None:

@@ -1,4 +1,8 @@
-"""The ``afd::remote_ffn`` custom op: an AFD Attention block's call into the FFN role.
+"""The ``afd::remote_ffn`` custom ops: an AFD Attention block's call into the FFN role.
+
+``afd::remote_ffn`` sends hidden states (+ router logits) to the one FFN rank;
+``afd::remote_ffn_routed`` (expert parallelism) dispatches tokens by their top-k to the FFN ranks
+holding those experts and combines the partial outputs.
 
 The op wraps afd-remote's :class:`afd_remote.fused_moe.AFDAttentionFusedMoE` (the connector comes
 from the AFD forward metadata the runtime installs around every forward). Being a
@@ -13,6 +17,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from afd_core.forward_context import dbo_yield
 from afd_remote.fused_moe import AFDAttentionFusedMoE
 
 _PROXIES: dict[tuple[int, bool], AFDAttentionFusedMoE] = {}
@@ -43,5 +48,32 @@ def remote_ffn(
 @remote_ffn.register_fake
 def _remote_ffn_fake(
     hidden_states: torch.Tensor, router_logits: torch.Tensor | None, layer_idx: int
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("afd::remote_ffn_routed", mutates_args=())
+def remote_ffn_routed(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer_idx: int,
+    num_experts: int,
+) -> torch.Tensor:
+    """Expert parallel: dispatch one MoE layer's tokens to the FFN ranks holding their top-k
+    experts (routed on this role by the model's router) and return the combined output."""
+    proxy = proxy_for(layer_idx, True)
+    transfer = proxy.dispatch_routed(hidden_states, topk_weights, topk_ids, num_experts)
+    dbo_yield()
+    return proxy.receive(transfer)
+
+
+@remote_ffn_routed.register_fake
+def _remote_ffn_routed_fake(
+    hidden_states: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    layer_idx: int,
+    num_experts: int,
 ) -> torch.Tensor:
     return torch.empty_like(hidden_states)

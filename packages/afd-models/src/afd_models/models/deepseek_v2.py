@@ -125,11 +125,14 @@ class AFDAttnDeepseekV2MoE(RemoteMoEBlock):
                 reduce_results=False,
                 prefix=f"{prefix}.shared_experts",
             )
+        routed = AFDDeepseekV2ForCausalLM.afd_attention_router(get_current_vllm_config())
         super().__init__(
             layer_idx=int(prefix.split(".")[-2]),
             gate=gate,
             shared_experts=shared,
             routed_scaling_factor=getattr(config, "routed_scaling_factor", 1.0),
+            router=None if routed is None else routed[0],
+            num_experts=None if routed is None else routed[1],
         )
         # Attributes upstream's model reads while building MoE metadata (no experts here).
         self.experts = None
@@ -203,6 +206,27 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
     @staticmethod
     def _afd_num_experts(config: Any) -> int:
         return config.n_routed_experts
+
+    @staticmethod
+    def _afd_router_kwargs(config: Any) -> dict[str, Any]:
+        # What build_ffn_block's FusedMoE (configured as upstream's DeepseekV2MoE) hands vLLM's
+        # router factory; routed scaling is applied to the output (apply_routed_scale_to_output),
+        # so the router's factor is 1.0 there too.
+        if _uses_correction_bias(config):
+            raise NotImplementedError(
+                "num_ffn_ranks > 1 with topk_method='noaux_tc' (the correction bias would have "
+                "to load on the Attention role); allowed: one FFN rank for this model"
+            )
+        return {
+            "top_k": config.num_experts_per_tok,
+            "global_num_experts": config.n_routed_experts,
+            "renormalize": config.norm_topk_prob,
+            "use_grouped_topk": True,
+            "num_expert_group": getattr(config, "n_group", 1),
+            "topk_group": getattr(config, "topk_group", 1),
+            "scoring_func": getattr(config, "scoring_func", "softmax"),
+            "routed_scaling_factor": 1.0,
+        }
 
     @staticmethod
     def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:

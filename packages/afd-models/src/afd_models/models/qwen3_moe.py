@@ -88,11 +88,14 @@ class _AttnMoEBlock(RemoteMoEBlock):
             else None
         )
         shared = _shared_expert(config, vllm_config, prefix)
+        routed = AFDQwen3MoeForCausalLM.afd_attention_router(vllm_config)
         super().__init__(
             layer_idx=extract_layer_index(prefix),
             gate=gate,
             shared_experts=None,
             shared_attr="shared_expert",
+            router=None if routed is None else routed[0],
+            num_experts=None if routed is None else routed[1],
         )
         if shared is not None:
             # Register the expert gate first: upstream's canonical name is ``shared_expert_gate``.
@@ -185,6 +188,15 @@ class AFDQwen3MoeForCausalLM(AFDRoleModelMixin, upstream.Qwen3MoeForCausalLM):
     @staticmethod
     def _afd_num_experts(config: Any) -> int:
         return config.num_experts
+
+    @staticmethod
+    def _afd_router_kwargs(config: Any) -> dict[str, Any]:
+        # What build_ffn_block's FusedMoE (upstream's) hands vLLM's router factory.
+        return {
+            "top_k": config.num_experts_per_tok,
+            "global_num_experts": config.num_experts,
+            "renormalize": config.norm_topk_prob,
+        }
 
     @staticmethod
     def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
