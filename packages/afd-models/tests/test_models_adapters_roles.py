@@ -73,20 +73,23 @@ def _checkpoint(family: str) -> Path:
     return _CACHE[family]
 
 
-def _config(path: Path, afd: dict[str, Any] | None = None) -> Any:
+def _config(path: Path, afd: dict[str, Any] | None = None, dtype: str = "auto") -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     extra = {} if afd is None else {"afd": afd}
+    kw: dict[str, Any] = {}
+    if dtype == "float32" and "deepseek" in path.name:
+        kw["attention_backend"] = "CPU_MLA"  # AMX MLA (preferred where AMX exists) needs bf16
     return EngineArgs(
-        model=str(path), enforce_eager=True, additional_config=extra
+        model=str(path), enforce_eager=True, additional_config=extra, dtype=dtype, **kw
     ).create_engine_config()
 
 
-def _load(path: Path, afd: dict[str, Any] | None) -> tuple[Any, Any]:
+def _load(path: Path, afd: dict[str, Any] | None, dtype: str = "auto") -> tuple[Any, Any]:
     from vllm.config import set_current_vllm_config
     from vllm.model_executor.model_loader import get_model
 
-    cfg = _config(path, afd)
+    cfg = _config(path, afd, dtype)
     with set_current_vllm_config(cfg):
         return cfg, get_model(vllm_config=cfg)
 
@@ -262,3 +265,109 @@ def test_role_worker_selected_by_config(
     assert ffn_cfg.parallel_config.worker_cls == "afd_runtime.workers.cpu.AFDCPUFFNWorker"
     assert ffn_cfg.cache_config.enable_prefix_caching is False
     assert AFDRole.FFN.value == "ffn"
+
+
+class _InProcessExpertParallel(AFDConnectorBase):
+    """Expert-parallel afd-core connector running every FFN rank's model in-process."""
+
+    name = "test-in-process-ep"
+    supports_expert_parallel = True
+
+    def __init__(self, attn_cfg: Any, attn_model: Any, ffns: list[tuple[Any, Any]]) -> None:
+        from afd_models.models._common import afd_config_of
+
+        super().__init__(
+            afd_config_of(attn_cfg), payload_spec=attn_model.afd_payload_spec, num_layers=8
+        )
+        self.ffns = ffns
+        self.counts: list[tuple[int, ...]] = []
+
+    def init(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    def send_attn_output(self, payload: Any, metadata: Any) -> AFDTransferHandle:
+        raise NotImplementedError
+
+    def recv_ffn_output(self, handle: AFDTransferHandle, out: Any = None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def recv_attn_output(self, metadata: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def send_ffn_output(self, outputs: Any, metadata: Any) -> None:
+        raise NotImplementedError
+
+    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
+        self.counts.append(metadata.num_tokens)
+        return AFDTransferHandle(metadata, list(payloads), id(self))
+
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
+        from afd_runtime.workers.base import _vllm_forward_context
+
+        handle.consume()
+        outs = []
+        for (cfg, model), p in zip(self.ffns, handle.state, strict=True):
+            n = p.hidden_states.shape[0]
+            if not n:
+                outs.append(p.hidden_states)
+                continue
+            with _vllm_forward_context(cfg, n):
+                outs.append(
+                    model.afd_ffn_forward(
+                        handle.metadata.layer_idx,
+                        p.hidden_states,
+                        None,
+                        (p.topk_weights, p.topk_ids),
+                    )
+                )
+        return outs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
+    vllm_env: None, family: str
+) -> None:
+    """Two FFN ranks: each holds exactly the plain model's experts of its range (renamed local),
+    and one MoE layer through the Attention block's router + dispatch equals the plain block up
+    to the combine's summation order (partial sums of two ranks)."""
+    from afd_runtime.workers.base import _vllm_forward_context
+
+    path = _checkpoint(family)
+    # float32 (as the E2E serves): the two ranks' partial sums then differ from the one-pass
+    # kernel sum by float32 rounding only.
+    plain_cfg, plain = _load(path, None, "float32")
+    afd = {"port": 1, "num_ffn_ranks": 2, "compute_gate_on_attention": True}
+    attn_cfg, attn = _load(path, {"role": "attention", **afd}, "float32")
+    ffns = [_load(path, {"role": "ffn", "ffn_rank": f, **afd}, "float32") for f in range(2)]
+    plain_params = _params(plain)
+    for f, (_, ffn) in enumerate(ffns):
+        emap = ffn.model.layers[ffn.afd_moe_layer_indices[0]].mlp.expert_map
+        local = list(emap.local_experts(f))
+        assert len(local) == emap.num_experts // 2
+        for name, p in _params(ffn).items():
+            assert ".experts." in name, name  # nothing but routed experts on an EP FFN rank
+            want = plain_params[name]
+            if want.shape[0] == emap.num_experts:  # per-expert stacked weights
+                want = want[local]
+            assert torch.equal(p, want), name
+    layer = attn.afd_moe_layer_indices[-1]
+    hidden = torch.randn(
+        9, plain_cfg.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(3)
+    ).to(plain_cfg.model_config.dtype)
+    with torch.inference_mode():
+        with _vllm_forward_context(plain_cfg, 9):
+            want = plain.model.layers[layer].mlp(hidden.clone())
+        connector = _InProcessExpertParallel(attn_cfg, attn, ffns)
+        meta = AFDForwardMetadata(connector=connector, num_tokens=(9,))
+        with set_afd_forward_metadata(meta), _vllm_forward_context(attn_cfg, 9):
+            got = attn.model.layers[layer].mlp(hidden.clone())
+    assert len(connector.counts) == 1 and sum(connector.counts[0]) >= 9
+    # Same experts, same weights; only the order of the two ranks' partial sums differs.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -104,3 +104,35 @@ def test_deepseek_classifier_bias_and_mtp_layers() -> None:
     assert c("model.layers.3.mlp.experts.0.up_proj.weight") is WeightOwner.NONE
     assert c("model.layers.2.mlp.shared_experts.up_proj.weight") is WeightOwner.ATTENTION
     assert deepseek_classifier(False, 3)("model.layers.1.mlp.gate.weight") is WeightOwner.FFN
+
+
+def test_filter_keeps_and_renames_a_ranks_experts_only() -> None:
+    names = [
+        "model.layers.1.mlp.gate.weight",
+        "model.layers.1.mlp.experts.5.down_proj.weight",
+        "model.layers.1.mlp.experts.2.up_proj.weight",
+        "model.layers.1.mlp.experts.4.gate_proj.weight",
+        "model.layers.1.mlp.experts.12.gate_proj.weight",  # two digits: not expert 1 or 2
+        "model.layers.1.self_attn.o_proj.weight",
+    ]
+    weights = [(n, torch.zeros(2)) for n in names]
+
+    def classify(name: str) -> WeightOwner:
+        return classify_moe_weight(name, gate_on_attention=True)
+
+    stats = FilterStats()
+    kept = list(
+        filter_role_weights(weights, AFDRole.FFN, classify, stats, local_experts=(4, 5, 12))
+    )
+    assert [n for n, _ in kept] == [
+        "model.layers.1.mlp.experts.1.down_proj.weight",
+        "model.layers.1.mlp.experts.0.gate_proj.weight",
+        "model.layers.1.mlp.experts.2.gate_proj.weight",
+    ]
+    assert (stats.kept, stats.dropped) == (3, 3)
+    # The Attention role is untouched by an expert selection.
+    att = list(filter_role_weights(weights, AFDRole.ATTENTION, classify, local_experts=(4,)))
+    assert [n for n, _ in att] == [names[0], names[5]]
+    fused = [("model.layers.1.mlp.experts.gate_up_proj", torch.zeros(2))]
+    with pytest.raises(ValueError, match=r"experts\.gate_up_proj"):
+        list(filter_role_weights(fused, AFDRole.FFN, classify, local_experts=(0,)))

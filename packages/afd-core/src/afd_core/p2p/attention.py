@@ -76,12 +76,6 @@ class _AttentionSide(_P2PLifecycle):
         if message.shutdown:
             self._finish_control_send()
 
-    def _finish_control_send(self) -> None:
-        pending = self._control_send
-        if pending is not None:
-            self._control_send = None
-            self._wait(pending[0], "send_control", self._timeout)
-
     def _check_peer_posted(self, announced: tuple[int, ...]) -> None:
         """Refuse a step whose count differs from a receive the FFN rank still has posted.
 

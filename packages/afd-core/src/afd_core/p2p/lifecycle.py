@@ -378,6 +378,13 @@ class _P2PLifecycle(AFDConnectorBase):
 
     # -- shared by both sides --------------------------------------------------------------
 
+    def _finish_control_send(self) -> None:
+        """Attention side: wait for the control message still in flight (to every FFN rank)."""
+        pending = self._control_send
+        if pending is not None:
+            self._control_send = None
+            self._wait(pending[0], "send_control", self._timeout)
+
     def _check_metadata(
         self, metadata: AFDTransferMetadata, expected: tuple[int, ...] | None
     ) -> None:
