@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,9 @@ from afd_models.demo.bench import (
     traffic_row,
 )
 from afd_models.demo.servers import FFNStats
+
+sys.path.insert(0, str(Path(__file__).parent))
+from afd_models_fake_servers import FakeServer
 
 
 def test_compare_derives_ratio_and_overhead_per_layer() -> None:
@@ -176,22 +180,6 @@ def test_compare_covers_gate_on_attention_rows() -> None:
     )
 
 
-class _FakeServer:
-    def __init__(self, name: str, log: str, events: list[str]) -> None:
-        self.name = name
-        self._log = log
-        self._events = events
-
-    def start(self) -> None:
-        self._events.append(f"start {self.name}")
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        self._events.append(f"stop {self.name}")
-
-    def log_text(self) -> str:
-        return self._log
-
-
 def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -207,7 +195,7 @@ def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
     # Per FFN rank count: each rank's (steps, bytes).
     counters = {1: [(10, 40960)], 2: [(10, 30720), (10, 20480)]}
 
-    def fake_afd_servers(model: object, **kw: Any) -> tuple[_FakeServer, tuple[_FakeServer, ...]]:
+    def fake_afd_servers(model: object, **kw: Any) -> tuple[FakeServer, tuple[FakeServer, ...]]:
         deployments.append(kw)
         n, prefix = kw.get("num_ffn_ranks", 1), kw["prefix"]
         logs = ["" for _ in range(n)]
@@ -218,15 +206,15 @@ def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
                 )
                 for r, (st, b) in enumerate(counters[n])
             ]
-        ffns = tuple(_FakeServer(f"{prefix}-ffn{r}", log, events) for r, log in enumerate(logs))
-        return _FakeServer(f"{prefix}-attention", "", events), ffns
+        ffns = tuple(FakeServer(f"{prefix}-ffn{r}", log, events) for r, log in enumerate(logs))
+        return FakeServer(f"{prefix}-attention", "", events), ffns
 
     tpot = {"plain": 10.0, "afd 1:1": 12.0, "afd 2:1": 14.0, "afd 1:1 gate-attn": 11.0}
     tpot["afd 1:2 gate-attn"] = 13.0
     monkeypatch.setattr(bench, "ensure_tiny_checkpoint", lambda spec, cache: model)
     monkeypatch.setattr(bench, "raw_round_trip_ms", lambda sizes, hidden: dict.fromkeys(sizes, 0.5))
     monkeypatch.setattr(
-        bench, "plain_server", lambda model, name, **kw: _FakeServer(name, "", events)
+        bench, "plain_server", lambda model, name, **kw: FakeServer(name, "", events)
     )
     monkeypatch.setattr(bench, "afd_servers", fake_afd_servers)
     monkeypatch.setattr(bench, "wait_until_healthy", lambda servers: None)

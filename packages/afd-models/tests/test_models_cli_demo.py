@@ -14,7 +14,10 @@ from afd_models.demo.client import BatchResult, Completion
 from afd_models.demo.parity import compare_parity
 from afd_models.demo.run import DemoConfig, DemoReport, FFNRankStats, ServerStats, render_report
 from afd_models.demo.servers import FFNStats, ServerExitedError
+
+sys.path.insert(0, str(Path(__file__).parent))
 from afd_models.demo.tiny import DEMO_PROMPTS
+from afd_models_fake_servers import FakeServer
 
 
 def test_demo_defaults_are_the_tiny_qwen_model() -> None:
@@ -239,29 +242,6 @@ def test_render_report_without_ffn_ranks_has_no_rank_table() -> None:
     assert "FFN rank" not in text
 
 
-class _FakeServer:
-    """Stands in for a VLLMServer in run_demo: records start/stop, serves a canned log."""
-
-    def __init__(self, name: str, log: str, events: list[str]) -> None:
-        self.name = name
-        self.base_url = f"http://fake/{name}"
-        self.pid = None
-        self._log = log
-        self._events = events
-
-    def start(self) -> None:
-        self._events.append(f"start {self.name}")
-
-    def stop(self, timeout_s: float = 60.0) -> None:
-        self._events.append(f"stop {self.name}")
-
-    def check_alive(self) -> None:
-        self._events.append(f"alive {self.name}")
-
-    def log_text(self) -> str:
-        return self._log
-
-
 def test_run_demo_starts_waits_for_and_stops_every_ffn_rank(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
@@ -284,14 +264,14 @@ def test_run_demo_starts_waits_for_and_stops_every_ffn_rank(
 
     def fake_afd_servers(model: object, **kwargs: object) -> tuple[object, tuple[object, ...]]:
         calls.update(kwargs)
-        ffns = tuple(_FakeServer(f"afd-ffn{i}", ffn_log(i), events) for i in range(2))
-        return _FakeServer("afd-attention", "AFD role=attention param_bytes=7\n", events), ffns
+        ffns = tuple(FakeServer(f"afd-ffn{i}", ffn_log(i), events) for i in range(2))
+        return FakeServer("afd-attention", "AFD role=attention param_bytes=7\n", events), ffns
 
     def fake_complete_many(base_url: str, prompts: object, **kwargs: object) -> BatchResult:
         got = tuple(Completion(p, "", (1, 2), 0.1) for p in prompts)  # type: ignore[attr-defined]
         return BatchResult(got, 1.0)
 
-    monkeypatch.setattr(run, "plain_server", lambda model, **kw: _FakeServer("plain", "", events))
+    monkeypatch.setattr(run, "plain_server", lambda model, **kw: FakeServer("plain", "", events))
     monkeypatch.setattr(run, "afd_servers", fake_afd_servers)
     monkeypatch.setattr(
         run,
