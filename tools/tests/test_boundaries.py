@@ -17,6 +17,17 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tools" / "check_boundaries.py"
+#: The afd-core requirement the lower packages declare today (read, so a version bump of
+#: afd-core does not break these tests).
+CORE_REQ = next(
+    line.strip().rstrip(",")
+    for line in (ROOT / "packages/afd-cam/pyproject.toml").read_text().splitlines()
+    if line.strip().startswith('"afd-core>=')
+)
+_remote = tomllib.loads((ROOT / "packages/afd-remote/pyproject.toml").read_text())
+_major, _minor = (int(x) for x in _remote["project"]["version"].split(".")[:2])
+#: A range that admits the workspace's afd-remote (for planting an edge that only breaks a rule).
+REMOTE_REQ = f'"afd-remote>={_major}.{_minor},<{_major}.{_minor + 1}"'
 
 _spec = importlib.util.spec_from_file_location("check_boundaries", SCRIPT)
 assert _spec and _spec.loader
@@ -100,10 +111,10 @@ def test_declared_edge_not_in_map(scratch: Path) -> None:
     path = edit_pyproject(
         scratch,
         "afd-weights",
-        '"afd-core>=0.3,<0.4",',
-        '"afd-core>=0.3,<0.4",\n    "afd-remote>=0.1,<0.2",',
+        f"{CORE_REQ},",
+        f"{CORE_REQ},\n    {REMOTE_REQ},",
     )
-    line = path.read_text().splitlines().index('    "afd-remote>=0.1,<0.2",') + 1
+    line = path.read_text().splitlines().index(f"    {REMOTE_REQ},") + 1
     assert report(scratch) == [
         f"packages/afd-weights/pyproject.toml:{line}: [edge-not-allowed] afd-weights declares afd-remote, "
         "an edge [tool.afd.allowed-deps] does not allow (allowed: ['afd-core'])"
@@ -126,10 +137,10 @@ def test_ffn_siblings_declare_one_another(scratch: Path) -> None:
     path = edit_pyproject(
         scratch,
         "afd-cam",
-        '"afd-core>=0.3,<0.4",',
-        '"afd-core>=0.3,<0.4",\n    "afd-remote>=0.1,<0.2",',
+        f"{CORE_REQ},",
+        f"{CORE_REQ},\n    {REMOTE_REQ},",
     )
-    line = path.read_text().splitlines().index('    "afd-remote>=0.1,<0.2",') + 1
+    line = path.read_text().splitlines().index(f"    {REMOTE_REQ},") + 1
     assert report(scratch) == [
         f"packages/afd-cam/pyproject.toml:{line}: [ffn-independence] afd-cam declares afd-remote; "
         "afd-remote, afd-cam and afd-compute-npu never depend on one another"
@@ -190,7 +201,7 @@ def test_ffn_package_imports_concrete_classes(scratch: Path) -> None:
 def test_sibling_without_range_or_excluding_version(scratch: Path) -> None:
     core = tomllib.loads((scratch / "packages/afd-core/pyproject.toml").read_text())
     version = core["project"]["version"]
-    declared = '"afd-core>=0.3,<0.4"'  # what afd-cam and afd-remote declare today
+    declared = CORE_REQ  # what afd-cam and afd-remote declare today
     path = edit_pyproject(scratch, "afd-cam", declared, '"afd-core"')
     line = path.read_text().splitlines().index('    "afd-core",') + 1
     path2 = edit_pyproject(scratch, "afd-remote", declared, '"afd-core>=9.5,<9.6"')
