@@ -1,5 +1,7 @@
 """Reference backend numerics: Layered == Mega bit for bit, fp32 tolerance, step-level rounding."""
 
+import struct
+
 import pytest
 import torch
 from afd_compute_npu import (
@@ -11,8 +13,22 @@ from afd_compute_npu import (
     ReferenceBackend,
     fp32_dequantized_moe,
 )
-from afd_compute_npu.reference import combine, dynamic_quant_int8, route, swiglu
-from afd_weights import QuantizedExpertWeights, QuantScheme, export_quantized_expert_weights
+from afd_compute_npu.reference import (
+    _fp32_quotient,
+    _int4_dequant,
+    combine,
+    dynamic_quant_int8,
+    expert_gemm1_swiglu_quant,
+    expert_gemm2,
+    route,
+    swiglu,
+)
+from afd_weights import (
+    QuantizedExpertWeights,
+    QuantScheme,
+    export_quantized_expert_weights,
+    layer_codes,
+)
 
 E, H, INTER, K, MAX_T = 8, 64, 32, 2, 40
 SCHEMES = [
@@ -95,6 +111,64 @@ def test_routed_scaling_is_a_final_out_dtype_multiply() -> None:
     assert torch.equal(scaled(5, x, ids, w), base * 2.5)
 
 
+@pytest.mark.parametrize(("scheme", "group"), SCHEMES)
+@pytest.mark.parametrize("clamp", [0.0, 10.0])
+def test_padding_rows_are_exactly_zero_in_every_scheme(
+    scheme: QuantScheme, group: int, clamp: float
+) -> None:
+    weights = make_weights(scheme, group, clamp, rsf=1.5)
+    layered, mega = build(weights)
+    x, ids, w = make_inputs(12, seed=6)
+    pad = [0, 3, 4, 11]
+    keep = [i for i in range(12) if i not in pad]
+    x[pad] = 0.0
+    for layer_id in weights.layer_ids:
+        alone = layered(layer_id, x[keep], ids[keep], w[keep]).clone()
+        assert alone.abs().amax(dim=-1).min() > 0
+        for comp in (layered, mega):
+            out = comp(layer_id, x, ids, w).clone()
+            assert torch.equal(out[pad], torch.zeros(len(pad), H, dtype=torch.bfloat16))
+            assert torch.equal(out[keep], alone)  # the other rows do not see the padding
+            only = comp(layer_id, x[:1], ids[:1], w[:1])
+            assert torch.equal(only, torch.zeros(1, H, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("scheme", "group"), SCHEMES)
+def test_zero_code_rows_give_exact_zero_at_both_gemms(scheme: QuantScheme, group: int) -> None:
+    weights = make_weights(scheme, group, 0.0)
+    codes = layer_codes(weights, 5)
+    int4 = scheme.is_int4
+    q = torch.zeros(3, H, dtype=torch.int8)
+    q[1] = torch.arange(H, dtype=torch.int8) - 32
+    q[1, 0] = 127
+    s = torch.tensor([1.0, 0.02, 1.0])
+    q_a, s_a = expert_gemm1_swiglu_quant(q, s, 4, codes, int4, 0.0)
+    assert torch.equal(q_a[[0, 2]], torch.zeros(2, INTER, dtype=torch.int8))
+    assert s_a[[0, 2]].tolist() == [1.0, 1.0]
+    assert q_a[1].abs().max() == 127
+    y = expert_gemm2(q_a, s_a, 4, codes, int4, torch.bfloat16)
+    assert torch.equal(y[[0, 2]], torch.zeros(2, H, dtype=torch.bfloat16))
+    assert y[1].abs().max() > 0
+
+
+def test_int4_split_residue_is_dropped_for_zero_rows() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-8, 8, (64, 48), generator=g, dtype=torch.int8)
+    s = torch.rand(2, 48, generator=g) + 0.5
+    bias = 8.0 * (w.float() * s.repeat_interleave(32, dim=0)).sum(0)
+    # without the zero-row rule the split leaves C_lo + B = fp32(-8 sum W) s + B != 0
+    residue = sum((-8 * w[i * 32 : (i + 1) * 32].float().sum(0)) * s[i] for i in range(2))
+    assert (residue + bias).abs().max() > 0
+    q = torch.zeros(2, 64, dtype=torch.int8)
+    q[1, 5] = -1
+    got = _int4_dequant(q, w, s, bias)
+    assert torch.equal(got[0], torch.zeros(48))
+    exact = q[1].double() @ w.double().reshape(2, 32, 48).mul(s.double().unsqueeze(1)).reshape(
+        64, 48
+    )
+    assert torch.allclose(got[1].double(), exact, rtol=1e-5, atol=1e-3)
+
+
 def test_dynamic_quant_rounding() -> None:
     x = torch.tensor([[1.0, -0.5, 0.25, 0.0], [0.0, 0.0, 0.0, 0.0], [2.0, 1.0, -1.0, 1.0 / 254]])
     q, s = dynamic_quant_int8(x)
@@ -103,6 +177,81 @@ def test_dynamic_quant_rounding() -> None:
     assert s[1].item() == 1.0
     assert s[0].item() == (1.0 / torch.tensor(127.0)).item()
     assert s[2].item() == (1.0 / (torch.tensor(127.0) / 2.0)).item()
+
+
+def _fp32(v: float) -> float:
+    """Round a Python float (float64) to the nearest fp32, half to even (CPython's float cast)."""
+    return float(struct.unpack("<f", struct.pack("<f", v))[0])
+
+
+def _expected_quant(x: torch.Tensor) -> tuple[list[float], torch.Tensor, list[float], int]:
+    """Independent per-row ``inv = fp32(127/amax)``, codes, ``scale = fp32(1/inv)`` and tie count.
+
+    The quotients are Python float64 divisions rounded once to fp32 (correct rounding for fp32
+    operands); the product ``x * inv`` of two fp32 values is exact in float64, then rounded once.
+    """
+    xd = x.double()
+    amax = xd.abs().amax(dim=-1).tolist()
+    inv = [_fp32(127.0 / a) if a else 0.0 for a in amax]
+    scale = [_fp32(1.0 / i) if i else 1.0 for i in inv]
+    prod = (xd * torch.tensor(inv, dtype=torch.float64).unsqueeze(-1)).float()
+    ties = int((prod - prod.floor() == 0.5).sum())
+    return inv, torch.clamp(torch.round(prod), -127, 127).to(torch.int8), scale, ties
+
+
+def test_dynamic_quant_smallest_double_rounding_case_is_exact() -> None:
+    # 127 / 2.375 = 53.47368421...: fp32 53.473682 (PyTorch's 127 * (1/2.375) gives 53.473686);
+    # 1.1875 * inv = 63.49999... -> 63 (the twice-rounded inv gives the tie 63.5 -> 64).
+    x = torch.tensor([[2.375, 1.1875]])
+    inv = _fp32_quotient(127.0, torch.tensor([2.375]))
+    assert inv.dtype == torch.float32
+    assert inv.item() == float.fromhex("0x1.abca1ap+5") == _fp32(127.0 / 2.375)
+    assert f"{inv.item():.8g}" == "53.473682"
+    q, s = dynamic_quant_int8(x)
+    assert q.tolist() == [[127, 63]]
+    assert s.tolist() == [float.fromhex("0x1.3264cap-6")] == [_fp32(1.0 / inv.item())]
+    assert f"{s.item():.8g}" == "0.018700788"
+    for dtype in (torch.bfloat16, torch.float16):  # both values are exact in the narrow dtypes
+        qn, sn = dynamic_quant_int8(x.to(dtype))
+        assert torch.equal(qn, q) and torch.equal(sn, s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 7), (300, 96), (64, 4096)])
+def test_dynamic_quant_matches_an_independent_float64_computation(
+    dtype: torch.dtype, shape: tuple[int, int]
+) -> None:
+    g = torch.Generator().manual_seed(shape[0] * 7 + shape[1])
+    r, c = shape
+    magnitude = torch.pow(10.0, torch.empty(r, 1).uniform_(-4, 4, generator=g))
+    x = (torch.randn(r, c, generator=g) * magnitude).to(dtype)
+    inv, q_ref, s_ref, _ = _expected_quant(x)
+    got = _fp32_quotient(127.0, x.float().abs().amax(dim=-1))
+    assert got.tolist() == inv
+    q, s = dynamic_quant_int8(x)
+    assert q.dtype == torch.int8 and s.dtype == torch.float32
+    assert torch.equal(q, q_ref)
+    assert s.tolist() == s_ref
+
+
+def test_dynamic_quant_rounding_ties_of_arbitrary_row_maxima() -> None:
+    # bf16 rows: the maximum is an arbitrary (non power of two) bf16 value in [1, 4) and the row
+    # holds every bf16 value in (0, amax], so many products x * inv land exactly on k + 0.5.
+    g = torch.Generator().manual_seed(5)
+    grid = (
+        torch.arange(0x3B80, 0x4080, dtype=torch.int16).view(torch.bfloat16).float()
+    )  # ~[2^-8, 4)
+    maxima = grid[(grid >= 1) & (grid < 4)]
+    maxima = maxima[torch.frexp(maxima).mantissa != 0.5]  # no powers of two
+    maxima = maxima[torch.randperm(maxima.numel(), generator=g)[:96]]
+    x = torch.stack([torch.where(grid <= m, grid, 0.0) for m in maxima]).to(torch.bfloat16)
+    x = x * torch.where(torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0).to(torch.bfloat16)
+    inv, q_ref, s_ref, ties = _expected_quant(x)
+    assert ties >= 100
+    assert _fp32_quotient(127.0, x.float().abs().amax(dim=-1)).tolist() == inv
+    q, s = dynamic_quant_int8(x)
+    assert torch.equal(q, q_ref)
+    assert s.tolist() == s_ref
 
 
 def test_route_is_a_stable_expert_major_permutation() -> None:
@@ -130,8 +279,6 @@ def test_swiglu_clamp_definition() -> None:
 
 
 def test_int4_msd_split_equals_integer_gemm() -> None:
-    from afd_compute_npu.reference import _int4_dequant
-
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-127, 128, (5, 32), generator=g, dtype=torch.int8)
     w = torch.randint(-8, 8, (32, 16), generator=g, dtype=torch.int8)

@@ -745,3 +745,52 @@ def dispatch_by_role(proc: int, port: int, a: int, f: int, *args: Any) -> dict[i
     """Process 0 hosts the Attention ranks, process 1 the FFN ranks (one thread per rank)."""
     ranks = range(a) if proc == 0 else range(a, a + f)
     return run_threads(dispatch_rank, ranks, port, a, f, *args)
+
+
+def agreement_rank(rank: int, port: int, case: str) -> dict[str, Any]:
+    """1 Attention : 2 FFN ranks. ``case``:
+
+    * ``geometry``: the FFN ranks publish different ``role_agreement`` (quantization geometry);
+    * ``hook``: FFN rank 1's ready hook raises;
+    * ``ok``: equal agreement, hooks record the group info.
+    """
+    topo = AFDTopology(1, 2)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(
+        role,
+        port,
+        1,
+        2,
+        compute_gate_on_attention=True,
+        ffn_rank=role_rank if role is AFDRole.FFN else 0,
+        timeout_s=15.0,
+    )
+    seen: list[Any] = []
+    agreement = None
+    hook = None
+    if role is AFDRole.FFN:
+        agreement = {"expert_quant": "w8a8", "hidden": 16}
+        if case == "geometry" and role_rank == 1:
+            agreement = {"expert_quant": "w4a8", "hidden": 16}
+
+        def hook(conn: Any) -> None:
+            seen.append(conn.group_info())
+            if case == "hook" and role_rank == 1:
+                raise RuntimeError("planted bind failure on FFN rank 1")
+
+    conn = P2PConnector(
+        cfg,
+        topo,
+        role_rank,
+        payload_spec=spec_for("hidden_f16_topk"),
+        num_layers=NUM_LAYERS,
+        role_agreement=agreement,
+        ready_hook=hook,
+    )
+    try:
+        conn.init()
+    except AFDError as err:
+        return {"error": type(err).__name__, "text": str(err), "seen": len(seen)}
+    info = conn.group_info()
+    conn.close()
+    return {"error": None, "info": info, "seen": seen}

@@ -47,6 +47,8 @@ def test_full_mapping_and_roundtrip() -> None:
         "timeout_s": 7,
         "startup_timeout_s": "30",
         "ffn_compute": "Mega",
+        "expert_quant": "W4A8",
+        "expert_quant_group_size": "32",
         "connector_extra_config": {"check_sequence": True},
     }
     c = AFDConfig.from_mapping(raw)
@@ -56,6 +58,8 @@ def test_full_mapping_and_roundtrip() -> None:
         "timeout_s": 7.0,
         "startup_timeout_s": 30.0,
         "ffn_compute": "mega",
+        "expert_quant": "w4a8",
+        "expert_quant_group_size": 32,
     }
     assert AFDConfig.from_mapping(c.to_mapping()) == c
     assert set(c.to_mapping()) == set(CONFIG_FIELDS)
@@ -82,7 +86,7 @@ def test_config_is_frozen_and_extra_read_only() -> None:
         ("timeout_s", "2.5", 2.5),
         ("timeout_s", 3, 3.0),
         ("startup_timeout_s", "600", 600.0),
-        ("ffn_compute", " Layered ", "layered"),
+        ("expert_quant", " NONE ", "none"),
         ("connector", " p2p ", "p2p"),
         ("connector", "P2pNcclAFDConnector", "p2p"),
         ("host", " localhost ", "localhost"),
@@ -254,6 +258,42 @@ def test_not_a_mapping() -> None:
     assert info.value.field == "afd"
 
 
+@pytest.mark.parametrize(
+    ("kw", "field", "value"),
+    [
+        ({"ffn_compute": "layered"}, "ffn_compute", "layered"),
+        ({"ffn_compute": "mega"}, "ffn_compute", "mega"),
+        ({"expert_quant": "w8a8"}, "expert_quant", "w8a8"),
+        ({"ffn_compute": "layered", "expert_quant": "int4"}, "expert_quant", "int4"),
+        (
+            {"ffn_compute": "layered", "expert_quant": "w8a8", "expert_quant_group_size": 32},
+            "expert_quant_group_size",
+            32,
+        ),
+        (
+            {"ffn_compute": "mega", "expert_quant": "w4a8", "expert_quant_group_size": -1},
+            "expert_quant_group_size",
+            -1,
+        ),
+    ],
+)
+def test_invalid_compute_and_quant_combinations_name_the_field(
+    kw: dict[str, Any], field: str, value: Any
+) -> None:
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig.from_mapping({"role": "ffn", **kw})
+    assert (info.value.field, info.value.value) == (field, value)
+    ok = AFDConfig.from_mapping(
+        {
+            "role": "ffn",
+            "ffn_compute": "mega",
+            "expert_quant": "w4a8",
+            "expert_quant_group_size": 32,
+        }
+    )
+    assert (ok.ffn_compute, ok.expert_quant, ok.expert_quant_group_size) == ("mega", "w4a8", 32)
+
+
 def test_direct_construction_does_not_coerce() -> None:
     assert AFDConfig(role=AFDRole.FFN).role is AFDRole.FFN
     assert AFDConfig(role="ffn").role is AFDRole.FFN  # type: ignore[arg-type]
@@ -298,7 +338,8 @@ def test_agreement_hash_covers_exactly_the_shared_fields() -> None:
         {"role": "ffn", "ffn_rank": 1},  # each FFN rank says which it is
         {"timeout_s": 1.0},
         {"startup_timeout_s": 5.0},
-        {"ffn_compute": "layered"},  # an FFN-local choice
+        {"ffn_compute": "layered", "expert_quant": "w8a8"},  # FFN-local choices
+        {"ffn_compute": "mega", "expert_quant": "w4a8", "expert_quant_group_size": 64},
     ]
     different = [
         {"connector_extra_config": {"check_sequence": True}},

@@ -284,7 +284,8 @@ def test_handshake_fields_cover_contract() -> None:
     fields = conn.handshake_fields()
     assert fields["hidden_size"] == 8 and fields["dtype"] == "bfloat16"
     assert fields["num_layers"] == 5 and fields["topology"] == [3, 2]
-    assert fields["protocol_version"] == 4
+    assert fields["protocol_version"] == 5
+    assert fields["role"] == "ffn" and fields["role_agreement"] == {}
     assert fields["config_hash"] == conn.config.agreement_hash()
     assert set(fields["payload_spec"]) == {"hidden_states", "topk_ids", "topk_weights"}
     assert conn.served_world_ranks == (0, 1, 2)  # expert parallel: every Attention rank
@@ -545,3 +546,39 @@ def test_ffn_receive_that_cannot_be_posted_fails_naming_the_peer(check_sequence:
     assert info.value.stage == "recv_attn_output"
     assert "Connection closed by peer" in str(info.value)
     assert not ffn.is_initialized
+
+
+@pytest.mark.timeout(120)
+def test_ffn_ranks_refuse_different_role_agreement() -> None:
+    results = ok(run_world(worlds.agreement_rank, 3, free_port(), "geometry", timeout_s=100))
+    # The FFN ranks compare their geometry and name it; the Attention rank (which compares no
+    # FFN-role fields) fails at startup naming the FFN rank that failed.
+    for rank in (1, 2):
+        assert results[rank]["error"] in ("AFDHandshakeError", "AFDStartupError"), results[rank]
+    ffn_texts = results[1]["text"] + results[2]["text"]
+    assert "role_agreement.expert_quant" in ffn_texts
+    assert results[0]["error"] == "AFDStartupError"
+    assert "role_agreement.expert_quant" in results[0]["text"]
+
+
+@pytest.mark.timeout(120)
+def test_ready_hook_failure_fails_every_rank_with_its_message() -> None:
+    results = ok(run_world(worlds.agreement_rank, 3, free_port(), "hook", timeout_s=100))
+    assert results[0]["error"] == "AFDStartupError"
+    assert "world rank 2" in results[0]["text"] and "'ready_hook'" in results[0]["text"]
+    assert "planted bind failure on FFN rank 1" in results[0]["text"]
+    assert results[2]["error"] is not None and results[2]["seen"] == 1
+    assert "planted bind failure" in results[2]["text"]
+
+
+@pytest.mark.timeout(120)
+def test_ready_hook_sees_the_data_group() -> None:
+    results = ok(run_world(worlds.agreement_rank, 3, free_port(), "ok", timeout_s=100))
+    port_tag = results[0]["info"].name.split("/")[1]
+    for rank, peers in ((0, (1, 2)), (1, (0,)), (2, (0,))):
+        info = results[rank]["info"]
+        assert results[rank]["error"] is None
+        assert (info.world_size, info.rank, info.peer_ranks) == (3, rank, peers)
+        assert info.name == f"afd-p2p/{port_tag}/g1/data"
+    for rank in (1, 2):
+        assert results[rank]["seen"] == [results[rank]["info"]]

@@ -371,3 +371,54 @@ def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
     assert len(connector.counts) == 1 and sum(connector.counts[0]) >= 9
     # Same experts, same weights; only the order of the two ranks' partial sums differs.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("family", "quant", "tolerance"),
+    [
+        ("qwen3_moe", {"expert_quant": "w8a8"}, 5e-2),
+        ("deepseek_v2", {"expert_quant": "w4a8", "expert_quant_group_size": 32}, 4e-1),
+    ],
+)
+def test_quantized_ffn_layer_is_within_tolerance_of_the_plain_layer(
+    vllm_env: None, family: str, quant: dict[str, Any], tolerance: float
+) -> None:
+    """The FFN role quantizes its experts at load (no float expert left in the module tree) and
+    its Layered compute stays within the documented tolerance of the plain fp32 layer; with two
+    FFN ranks each rank quantizes only its own experts (half the bytes)."""
+    from afd_runtime.compute import select_ffn_compute
+    from afd_runtime.workers.base import _vllm_forward_context
+
+    path = _checkpoint(family)
+    plain_cfg, plain = _load(path, None, "float32")
+    gate = family == "deepseek_v2"  # DeepSeek: gate on Attention; Qwen3-MoE: gate on FFN
+    afd = {"role": "ffn", "port": 1, "compute_gate_on_attention": gate, "ffn_compute": "layered"}
+    _, ffn = _load(path, {**afd, **quant}, "float32")
+    assert not [n for n, _ in ffn.named_parameters() if ".experts." in n]
+    compute = select_ffn_compute(AFDConfig.from_mapping({**afd, **quant}), ffn, None, max_tokens=64)  # type: ignore[arg-type]
+    layer = ffn.afd_moe_layer_indices[-1]
+    hidden = torch.randn(
+        9, plain_cfg.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(5)
+    )
+    with torch.inference_mode():
+        with _vllm_forward_context(plain_cfg, 9):
+            mlp = plain.model.layers[layer].mlp
+            want = mlp(hidden.clone())
+            logits = None
+            if gate:
+                logits = mlp.gate(hidden)[0]
+                shared = mlp.shared_experts(hidden) if mlp.shared_experts is not None else 0
+                want = want - shared  # the FFN role computes the routed experts only
+        got = compute(layer, hidden, logits)
+    if not gate:  # Qwen3-MoE's tiny model has no shared expert: the layer is the experts
+        assert getattr(plain.model.layers[layer].mlp, "shared_expert", None) is None
+    err = float((got - want).abs().max() / want.abs().max())
+    assert err <= tolerance, err
+    # Expert parallel: each FFN rank quantizes its own experts only.
+    ep = {**afd, **quant, "compute_gate_on_attention": True, "num_ffn_ranks": 2}
+    halves = [_load(path, {**ep, "ffn_rank": f}, "float32")[1] for f in range(2)]
+    total = ffn.afd_quantized_weights.nbytes()
+    assert [h.afd_quantized_weights.geometry.num_experts for h in halves] == [
+        ffn.afd_quantized_weights.geometry.num_experts // 2
+    ] * 2
+    assert sum(h.afd_quantized_weights.nbytes() for h in halves) == total

@@ -14,16 +14,21 @@ pytest.importorskip("requests")
 from afd_models import cli
 from afd_models.demo import bench
 from afd_models.demo.bench import (
+    QUANTIZED_SETUPS,
     BenchConfig,
+    QuantizedRow,
+    QuantizedSetup,
     TPOTRow,
     TrafficRow,
     compare,
+    quantized_rows,
     render,
+    render_quantized,
     render_traffic,
     setup_name,
     traffic_row,
 )
-from afd_models.demo.servers import FFNStats
+from afd_models.demo.servers import FFNStats, QuantReport
 
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_fake_servers import FakeServer
@@ -93,6 +98,11 @@ def test_bench_cli_ffn_ranks(
     assert cli.main(["bench"]) == cli.EXIT_OK
     assert cli.main(["bench", "--ffn-ranks", "4,2", "--batch-sizes", "8"]) == cli.EXIT_OK
     assert [(c.ffn_ranks, c.batch_sizes) for c in seen] == [((1, 2), (1, 4, 16)), ((4, 2), (8,))]
+    assert [c.quantized for c in seen] == [True, True]
+    assert cli.main(["bench", "--no-quantized"]) == cli.EXIT_OK
+    assert cli.main(["bench", "--quantized"]) == cli.EXIT_OK
+    assert [c.quantized for c in seen[2:]] == [False, True]
+    del seen[2:]
     assert [c.gate_on_attention_ffn_ranks for c in seen] == [(1, 2), (1, 2, 4)]
     with pytest.raises(SystemExit) as err:
         cli.main(["bench", "--ffn-ranks", "1,two"])
@@ -225,7 +235,7 @@ def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
     )
     out = tmp_path / "res" / "serving.json"
     printed: list[str] = []
-    cfg = BenchConfig(batch_sizes=(1, 4), out=out, log_dir=tmp_path / "logs")
+    cfg = BenchConfig(batch_sizes=(1, 4), out=out, log_dir=tmp_path / "logs", quantized=False)
     result = bench.run_bench(cfg, progress=printed.append)
 
     assert [
@@ -281,3 +291,197 @@ def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
         },
     ]
     assert "| afd 1:2 gate-attn | 2 | 10 / 10 | 5120 (3072 + 2048) | 1.25 |" in "\n".join(printed)
+    assert result["quantized"] == []
+    assert all(d.get("ffn_extra") is None for d in deployments)
+
+
+def test_quantized_setups_are_layered_w8a8_and_mega_w4a8_per_channel() -> None:
+    assert [(q.ffn_compute, q.expert_quant, q.group_size) for q in QUANTIZED_SETUPS] == [
+        ("layered", "w8a8", 0),
+        ("mega", "w4a8", 0),
+    ]
+    assert [q.setup for q in QUANTIZED_SETUPS] == [
+        "afd 1:1 layered w8a8",
+        "afd 1:1 mega w4a8_per_channel",
+    ]
+    assert [q.scheme for q in QUANTIZED_SETUPS] == ["w8a8", "w4a8_per_channel"]
+    per_group = QuantizedSetup("layered", "w4a8", 32)
+    assert (per_group.scheme, per_group.setup) == (
+        "w4a8_per_group",
+        "afd 1:1 layered w4a8_per_group g32",
+    )
+    assert QUANTIZED_SETUPS[1].ffn_extra() == {
+        "ffn_compute": "mega",
+        "expert_quant": "w4a8",
+        "expert_quant_group_size": 0,
+    }
+    # Each is a valid FFN-role config.
+    from afd_core.config import AFDConfig
+
+    for q in (*QUANTIZED_SETUPS, per_group):
+        AFDConfig.from_mapping({"role": "ffn", **q.ffn_extra()})
+
+
+def test_quantized_rows_compare_to_native_afd_and_plain() -> None:
+    q = QUANTIZED_SETUPS[0]
+    native = [TPOTRow("afd 1:1", 1, 10.0, (10.0,)), TPOTRow("afd 1:1", 4, 20.0, (20.0,))]
+    plain = [TPOTRow("plain", 1, 8.0, (8.0,)), TPOTRow("plain", 4, 16.0, (16.0,))]
+    rows_q = [TPOTRow(q.setup, 1, 15.0, (15.0,)), TPOTRow(q.setup, 4, 24.0, (24.0,))]
+    report = QuantReport(0, "layered", "w8a8", 0, 540672, 1048576, 2)
+    rows = quantized_rows(q, rows_q, native, plain, report)
+    assert rows[0] == QuantizedRow(
+        "afd 1:1 layered w8a8",
+        "layered",
+        "w8a8",
+        0,
+        1,
+        15.0,
+        10.0,
+        1.5,
+        8.0,
+        1.875,
+        540672,
+        1048576,
+    )
+    assert (rows[1].ratio_vs_native, rows[1].ratio_vs_plain) == (1.2, 1.5)
+    assert rows[1].bytes_ratio_vs_bf16 == 0.515625
+    assert render_quantized(rows).splitlines() == [
+        "| setup | batch | TPOT plain (ms) | TPOT AFD native (ms) | TPOT quantized (ms) | "
+        "vs AFD native | vs plain | expert bytes (vs bf16) |",
+        "|---|---|---|---|---|---|---|---|",
+        "| afd 1:1 layered w8a8 | 1 | 8.00 | 10.00 | 15.00 | 1.50 | 1.88 | 540672 (0.516) |",
+        "| afd 1:1 layered w8a8 | 4 | 16.00 | 20.00 | 24.00 | 1.20 | 1.50 | 540672 (0.516) |",
+    ]
+    with pytest.raises(RuntimeError) as err:
+        quantized_rows(q, rows_q, native, plain, None)
+    assert str(err.value) == "afd 1:1 layered w8a8: no quantized-compute line from FFN rank 0"
+
+
+def test_run_bench_adds_the_quantized_computes_at_one_to_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from afd_runtime.quantized import QUANT_FORMAT
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "decoder_sparse_step": 1})
+    )
+    events: list[str] = []
+    deployments: list[dict[str, Any]] = []
+    expert_bytes = {"w8a8": 540672, "w4a8": 294912}
+
+    def fake_afd_servers(model: object, **kw: Any) -> tuple[FakeServer, tuple[FakeServer, ...]]:
+        deployments.append(kw)
+        n, prefix, extra = kw.get("num_ffn_ranks", 1), kw["prefix"], kw.get("ffn_extra")
+        logs = [""] * n
+        if kw["gate_on_attention"]:
+            logs = [
+                f"AFD FFN rank={r} stats steps=1 compute_calls=2 tokens=1 bytes=8 peers=1 layers=2"
+                for r in range(n)
+            ]
+        if extra is not None:
+            q = QuantizedSetup(extra["ffn_compute"], extra["expert_quant"])
+            logs[0] = QUANT_FORMAT.format(
+                rank=0,
+                kind=q.ffn_compute,
+                scheme=q.scheme,
+                group=0,
+                nbytes=expert_bytes[q.expert_quant],
+                bf16=1048576,
+                layers=2,
+            )
+        ffns = tuple(FakeServer(f"{prefix}-ffn{r}", log, events) for r, log in enumerate(logs))
+        return FakeServer(f"{prefix}-attention", "", events), ffns
+
+    tpot = {"plain": 10.0, "afd 1:1": 12.0, "afd 1:1 layered w8a8": 18.0}
+    tpot["afd 1:1 mega w4a8_per_channel"] = 15.0
+    monkeypatch.setattr(bench, "ensure_tiny_checkpoint", lambda spec, cache: model)
+    monkeypatch.setattr(bench, "raw_round_trip_ms", lambda sizes, hidden: dict.fromkeys(sizes, 0.5))
+    monkeypatch.setattr(
+        bench, "plain_server", lambda model, name, **kw: FakeServer(name, "", events)
+    )
+    monkeypatch.setattr(bench, "afd_servers", fake_afd_servers)
+    monkeypatch.setattr(bench, "wait_until_healthy", lambda servers: None)
+    monkeypatch.setattr(
+        bench,
+        "measure_tpot",
+        lambda server, b, cfg, setup: TPOTRow(setup, b, tpot.get(setup, 9.0) * b, (1.0,)),
+    )
+    out = tmp_path / "serving.json"
+    printed: list[str] = []
+    cfg = BenchConfig(batch_sizes=(1, 4), ffn_ranks=(1,), out=out, log_dir=tmp_path / "logs")
+    assert cfg.quantized
+    result = json.loads(json.dumps(bench.run_bench(cfg, progress=printed.append)))
+    assert json.loads(out.read_text()) == result
+
+    quantized = [d for d in deployments if d.get("ffn_extra") is not None]
+    assert [
+        (d["num_attention_ranks"], d.get("num_ffn_ranks", 1), d["gate_on_attention"], d["prefix"])
+        for d in quantized
+    ] == [
+        (1, 1, False, "bench-1a1f-layered-w8a8"),
+        (1, 1, False, "bench-1a1f-mega-w4a8-per-channel"),
+    ]
+    assert [d["ffn_extra"] for d in quantized] == [q.ffn_extra() for q in QUANTIZED_SETUPS]
+    # The bench measures speed: no accuracy measurement on its FFN ranks.
+    assert all(d.get("ffn_env") is None for d in deployments)
+    # Each quantized deployment is started and stopped like the others.
+    assert "start bench-1a1f-mega-w4a8-per-channel-ffn0" in events
+    assert "stop bench-1a1f-mega-w4a8-per-channel-attention" in events
+    rows = result["quantized"]
+    assert [(r["setup"], r["batch"]) for r in rows] == [
+        ("afd 1:1 layered w8a8", 1),
+        ("afd 1:1 layered w8a8", 4),
+        ("afd 1:1 mega w4a8_per_channel", 1),
+        ("afd 1:1 mega w4a8_per_channel", 4),
+    ]
+    assert [(r["tpot_ms"], r["tpot_native_ms"], r["tpot_plain_ms"]) for r in rows] == [
+        (18.0, 12.0, 10.0),
+        (72.0, 48.0, 40.0),
+        (15.0, 12.0, 10.0),
+        (60.0, 48.0, 40.0),
+    ]
+    assert [r["ratio_vs_native"] for r in rows] == [1.5, 1.5, 1.25, 1.25]
+    assert [r["ratio_vs_plain"] for r in rows] == [1.8, 1.8, 1.5, 1.5]
+    assert [(r["scheme"], r["expert_bytes"], r["bytes_ratio_vs_bf16"]) for r in rows][1:3] == [
+        ("w8a8", 540672, 0.515625),
+        ("w4a8_per_channel", 294912, 0.28125),
+    ]
+    # The TPOT samples are recorded; the transport comparison keeps its own rows.
+    assert {r["setup"] for r in result["tpot"]} >= {r["setup"] for r in rows}
+    assert not {r["setup"] for r in result["compared"]} & {r["setup"] for r in rows}
+    text = "\n".join(printed)
+    assert "| afd 1:1 mega w4a8_per_channel | 4 | 40.00 | 48.00 | 60.00 | 1.25 | 1.50 | " in text
+    assert "294912 (0.281) |" in text
+
+
+def test_run_bench_fails_when_a_quantized_ffn_rank_did_not_compute_quantized(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 64, "num_hidden_layers": 2}))
+    events: list[str] = []
+
+    def fake_afd_servers(model: object, **kw: Any) -> tuple[FakeServer, tuple[FakeServer, ...]]:
+        prefix = kw["prefix"]
+        return FakeServer(f"{prefix}-attention", "", events), (
+            FakeServer(f"{prefix}-ffn", "", events),
+        )
+
+    monkeypatch.setattr(bench, "ensure_tiny_checkpoint", lambda spec, cache: model)
+    monkeypatch.setattr(bench, "raw_round_trip_ms", lambda sizes, hidden: dict.fromkeys(sizes, 0.5))
+    monkeypatch.setattr(
+        bench, "plain_server", lambda model, name, **kw: FakeServer(name, "", events)
+    )
+    monkeypatch.setattr(bench, "afd_servers", fake_afd_servers)
+    monkeypatch.setattr(bench, "wait_until_healthy", lambda servers: None)
+    monkeypatch.setattr(
+        bench, "measure_tpot", lambda server, b, cfg, setup: TPOTRow(setup, b, 1.0, (1.0,))
+    )
+    cfg = BenchConfig(batch_sizes=(1,), ffn_ranks=(1,), log_dir=tmp_path / "logs")
+    with pytest.raises(RuntimeError, match="afd 1:1 layered w8a8: no quantized-compute line"):
+        bench.run_bench(cfg, progress=lambda msg: None)
+    # The deployment was stopped before the check.
+    assert events[-1] == "stop bench-1a1f-layered-w8a8-ffn"

@@ -6,6 +6,7 @@ import dataclasses
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from afd_models import cli
@@ -13,7 +14,7 @@ from afd_models.demo import run
 from afd_models.demo.client import BatchResult, Completion
 from afd_models.demo.parity import compare_parity
 from afd_models.demo.run import DemoConfig, DemoReport, FFNRankStats, ServerStats, render_report
-from afd_models.demo.servers import FFNStats, ServerExitedError
+from afd_models.demo.servers import FFNStats, QuantReport, ServerExitedError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models.demo.tiny import DEMO_PROMPTS
@@ -391,3 +392,374 @@ def test_console_script_is_declared() -> None:
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "afd"]
     assert ep.value == "afd_models.cli:main"
+
+
+# --------------------------------------------------------------------------------------------
+# Quantized experts
+
+
+def test_quant_flags_default_to_the_native_float_experts() -> None:
+    cfg = cli.parse_demo_config([])
+    assert (cfg.ffn_compute, cfg.expert_quant, cfg.expert_quant_group_size) == ("native", "none", 0)
+    assert not cfg.quantized
+
+
+def test_quant_flag_choices_are_afd_cores() -> None:
+    from afd_core.config import EXPERT_QUANT_SCHEMES, FFN_COMPUTE_KINDS
+
+    assert cli.FFN_COMPUTE_CHOICES == FFN_COMPUTE_KINDS
+    assert cli.EXPERT_QUANT_CHOICES == EXPERT_QUANT_SCHEMES
+
+
+@pytest.mark.parametrize(
+    ("argv", "fields"),
+    [
+        (["--ffn-compute", "layered", "--expert-quant", "w8a8"], ("layered", "w8a8", 0)),
+        (["--ffn-compute", "mega", "--expert-quant", "w4a8"], ("mega", "w4a8", 0)),
+        (
+            [
+                "--ffn-compute",
+                "layered",
+                "--expert-quant",
+                "w4a8",
+                "--expert-quant-group-size",
+                "32",
+            ],
+            ("layered", "w4a8", 32),
+        ),
+    ],
+)
+def test_quant_flags_map_to_config(argv: list[str], fields: tuple[str, str, int]) -> None:
+    cfg = cli.parse_demo_config(argv)
+    assert (cfg.ffn_compute, cfg.expert_quant, cfg.expert_quant_group_size) == fields
+    assert cfg.quantized
+    assert cfg.ffn_extra == dict(
+        zip(("ffn_compute", "expert_quant", "expert_quant_group_size"), fields, strict=True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle", "field"),
+    [
+        (["--ffn-compute", "layered"], "error: --ffn-compute='layered': ", "ffn_compute"),
+        (
+            ["--ffn-compute", "mega", "--expert-quant", "none"],
+            "--ffn-compute='mega': ",
+            "ffn_compute",
+        ),
+        (["--expert-quant", "w8a8"], "error: --expert-quant='w8a8': ", "expert_quant"),
+        (
+            ["--ffn-compute", "native", "--expert-quant", "w4a8"],
+            "error: --expert-quant='w4a8': ",
+            "expert_quant",
+        ),
+        # ffn_compute is native by default: the scheme is what afd-core rejects first.
+        (
+            ["--expert-quant-group-size", "32", "--expert-quant", "w8a8"],
+            "error: --expert-quant='w8a8': ",
+            "expert_quant",
+        ),
+        (
+            [
+                "--ffn-compute",
+                "layered",
+                "--expert-quant-group-size",
+                "32",
+                "--expert-quant",
+                "w8a8",
+            ],
+            "error: --expert-quant-group-size=32: ",
+            "expert_quant_group_size",
+        ),
+        (["--expert-quant-group-size", "16"], "error: --expert-quant-group-size=16: ", None),
+        (
+            ["--ffn-compute", "mega", "--expert-quant", "w4a8", "--expert-quant-group-size", "-1"],
+            "error: --expert-quant-group-size=-1: ",
+            "expert_quant_group_size",
+        ),
+        (["--ffn-compute", "fused"], "invalid choice: 'fused'", None),
+        (["--expert-quant", "int4"], "invalid choice: 'int4'", None),
+    ],
+)
+def test_quant_usage_errors_name_the_flag_and_afd_cores_message(
+    argv: list[str], needle: str, field: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from afd_core.config import AFDConfig
+    from afd_core.errors import AFDConfigError
+
+    with pytest.raises(SystemExit) as err:
+        cli.main(["demo", *argv])
+    assert err.value.code == cli.EXIT_USAGE
+    text = capsys.readouterr().err
+    assert needle in text
+    if field is not None:
+        ns = cli.build_parser().parse_args(["demo", *argv])
+        with pytest.raises(AFDConfigError) as cfg_err:
+            AFDConfig.from_mapping(
+                {
+                    "role": "ffn",
+                    "ffn_compute": ns.ffn_compute,
+                    "expert_quant": ns.expert_quant,
+                    "expert_quant_group_size": ns.expert_quant_group_size,
+                }
+            )
+        assert cfg_err.value.field == field
+        assert f"{needle}{cfg_err.value}" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"ffn_compute": "layered"}, "ffn_compute"),
+        ({"expert_quant": "w8a8"}, "expert_quant"),
+        ({"ffn_compute": "layered", "expert_quant": "w8a8", "expert_quant_group_size": 8}, None),
+        ({"ffn_compute": "bogus"}, "ffn_compute"),
+    ],
+)
+def test_demo_config_validates_the_quant_fields(kwargs: dict[str, Any], field: str | None) -> None:
+    from afd_core.errors import AFDConfigError
+
+    with pytest.raises(AFDConfigError) as err:
+        DemoConfig(**kwargs)
+    assert err.value.field == (field or "expert_quant_group_size")
+    ok = DemoConfig(ffn_compute="mega", expert_quant="w4a8", expert_quant_group_size=32)
+    assert ok.quantized
+
+
+def test_quant_error_tolerances_are_documented_per_scheme() -> None:
+    assert run.QUANT_ERROR_TOLERANCE == {"w8a8": 5e-2, "w4a8": 4e-1}
+
+
+def test_token_match_counts_equal_tokens_position_by_position() -> None:
+    base = [Completion("a", "", (1, 2, 3, 4), 0.1), Completion("b", "", (5, 6), 0.1)]
+    cand = [Completion("a", "", (1, 9, 3, 4), 0.1), Completion("b", "", (5, 6, 7), 0.1)]
+    # a: 3 of 4 equal (a later equal token still counts); b: 2 equal, the extra token is not.
+    assert run.token_match(compare_parity(base, cand)) == (5, 7)
+    assert run.token_match(compare_parity(base, base)) == (6, 6)
+
+
+def _quant_summary(
+    errors: tuple[float | None, ...],
+    *,
+    expert_quant: str = "w8a8",
+    equal: int = 3,
+    total: int = 4,
+) -> run.QuantSummary:
+    ranks = []
+    for rank, err in enumerate(errors):
+        quant = QuantReport(
+            rank, "layered", "w8a8", 0, 540672 + rank * 1024, 1048576 + rank * 2048, 4
+        )
+        ranks.append(
+            run.QuantRankStats(
+                rank, f"afd-ffn{rank}", quant, None if err is None else (0, 12 + rank, err)
+            )
+        )
+    return run.QuantSummary(
+        ffn_compute="layered",
+        expert_quant=expert_quant,
+        group_size=0,
+        tolerance=run.QUANT_ERROR_TOLERANCE[expert_quant],
+        ranks=tuple(ranks),
+        equal_tokens=equal,
+        total_tokens=total,
+    )
+
+
+def test_render_report_shows_the_quantized_experts_beside_parity() -> None:
+    report = dataclasses.replace(_report((3, 9)), quant=_quant_summary((2.8e-2,)))
+    assert not report.parity.ok and report.ok
+    lines = render_report(report).splitlines()
+    parity_end = lines.index("| 'b'    | 2      | MISMATCH  | 1              |")
+    assert lines[parity_end + 1 : parity_end + 4] == [
+        "",
+        "quantized experts: ffn_compute=layered expert_quant=w8a8 group_size=0 (exact token "
+        "parity is not expected; tolerance: max relative error <= 5.0e-02 vs fp32)",
+        "greedy tokens equal to plain fp32 vLLM: 3 of 4 (75.0%)",
+    ]
+    header = next(
+        i for i, ln in enumerate(lines) if ln.startswith("| ffn rank | server   | scheme")
+    )
+    cells = [c.strip() for c in lines[header + 2].strip("|").split("|")]
+    assert cells == [
+        "0",
+        "afd-ffn0",
+        "w8a8",
+        "528.0 KiB",
+        "1.0 MiB",
+        "0.516",
+        "0",
+        "12",
+        "2.800e-02",
+    ]
+    assert [c.strip() for c in lines[header].strip("|").split("|")][3:] == [
+        "expert bytes",
+        "bf16 bytes",
+        "vs bf16",
+        "measured layer",
+        "calls",
+        "max rel error vs fp32",
+    ]
+    assert lines[-1] == (
+        "PASS: quantized experts within tolerance (max relative error 2.800e-02 <= 5.0e-02 on "
+        "every FFN rank); 1 of 2 prompts differ from plain fp32 vLLM (not expected to be identical)"
+    )
+
+
+def test_render_report_names_unmeasured_and_over_tolerance_ranks() -> None:
+    quant = _quant_summary((0.5, None, 0.1), expert_quant="w4a8", equal=0, total=0)
+    report = dataclasses.replace(_report((3, 4)), quant=quant)
+    assert report.parity.ok and not report.ok
+    assert (quant.unmeasured, quant.over_tolerance, quant.max_rel) == ((1,), (0,), 0.5)
+    lines = render_report(report).splitlines()
+    assert "greedy tokens equal to plain fp32 vLLM: 0 of 0 (0.0%)" in lines
+    row = next(ln for ln in lines if ln.startswith("| 1        | afd-ffn1"))
+    assert [c.strip() for c in row.strip("|").split("|")][-3:] == ["-", "-", "not measured"]
+    assert lines[-1] == (
+        "FAIL: quantized experts: no quant_error line from FFN rank(s) [1] (error not measured); "
+        "max relative error 5.000e-01 > 4.0e-01 on FFN rank(s) [0]; 0 of 2 prompts differ from "
+        "plain fp32 vLLM (not expected to be identical)"
+    )
+
+
+def test_quant_summary_without_a_quant_line_renders_na() -> None:
+    quant = dataclasses.replace(
+        _quant_summary((1e-2,)), ranks=(run.QuantRankStats(0, "afd-ffn", None, (0, 1, 1e-2)),)
+    )
+    row = next(ln for ln in run.render_quant(quant) if ln.startswith("| 0 "))
+    assert [c.strip() for c in row.strip("|").split("|")][2:6] == ["n/a"] * 4
+    assert quant.ok  # the rule is on the measured error only
+    nan = _quant_summary((float("nan"),))
+    assert nan.over_tolerance == (0,) and not nan.ok
+    assert not dataclasses.replace(nan, ranks=()).ok
+
+
+@pytest.mark.parametrize(
+    ("errors", "tokens", "code"),
+    [
+        ((2.8e-2,), (3, 9), cli.EXIT_OK),  # within tolerance: token mismatches do not count
+        ((2.8e-2, 4.9e-2), (9, 9), cli.EXIT_OK),
+        ((6e-2,), (3, 4), cli.EXIT_MISMATCH),  # above tolerance, even with identical tokens
+        ((2.8e-2, 6e-2), (3, 4), cli.EXIT_MISMATCH),
+        ((None,), (3, 4), cli.EXIT_MISMATCH),  # no error line
+        ((2.8e-2, None), (3, 4), cli.EXIT_MISMATCH),
+    ],
+)
+def test_quantized_demo_exit_code_follows_the_measured_error(
+    errors: tuple[float | None, ...],
+    tokens: tuple[int, ...],
+    code: int,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    report = dataclasses.replace(_report(tokens), quant=_quant_summary(errors))
+    monkeypatch.setattr(cli, "missing_demo_modules", lambda command: [])
+    monkeypatch.setattr(run, "run_demo", lambda cfg, progress: report)
+    argv = ["demo", "--ffn-compute", "layered", "--expert-quant", "w8a8"]
+    assert cli.main(argv) == code
+    out = capsys.readouterr().out
+    assert ("PASS: quantized" if code == cli.EXIT_OK else "FAIL: quantized") in out
+
+
+def _fake_demo_run(
+    monkeypatch: pytest.MonkeyPatch, ffn_logs: list[str], afd_tokens: tuple[int, ...]
+) -> tuple[list[str], dict[str, Any]]:
+    events: list[str] = []
+    calls: dict[str, Any] = {}
+
+    def fake_afd_servers(model: object, **kwargs: Any) -> tuple[object, tuple[object, ...]]:
+        calls.update(kwargs)
+        ffns = tuple(FakeServer(f"afd-ffn{i}", log, events) for i, log in enumerate(ffn_logs))
+        return FakeServer("afd-attention", "", events), ffns
+
+    def fake_complete_many(base_url: str, prompts: Any, **kwargs: object) -> BatchResult:
+        ids = (1, 2, 3) if base_url.endswith("/plain") else afd_tokens
+        return BatchResult(tuple(Completion(p, "", ids, 0.1) for p in prompts), 1.0)
+
+    monkeypatch.setattr(run, "plain_server", lambda model, **kw: FakeServer("plain", "", events))
+    monkeypatch.setattr(run, "afd_servers", fake_afd_servers)
+    monkeypatch.setattr(run, "wait_until_healthy", lambda servers: None)
+    monkeypatch.setattr(run, "complete_many", fake_complete_many)
+    return events, calls
+
+
+def test_run_demo_quantized_configures_the_ffn_ranks_and_reads_their_lines(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from afd_models.models._quantized import REPORT_ERROR_ENV
+    from afd_runtime.quantized import ERROR_FORMAT, QUANT_FORMAT
+
+    def ffn_log(rank: int, err: float) -> str:
+        quant = QUANT_FORMAT.format(
+            rank=rank,
+            kind="mega",
+            scheme="w4a8_per_group",
+            group=32,
+            nbytes=300000,
+            bf16=1000000,
+            layers=4,
+        )
+        first = ERROR_FORMAT.format(rank=rank, layer=0, calls=1, err=err / 2)
+        last = ERROR_FORMAT.format(rank=rank, layer=0, calls=7, err=err)
+        return f"{quant}\n(EngineCore pid=1) {first}\n{last}\n"
+
+    _events, calls = _fake_demo_run(
+        monkeypatch, [ffn_log(0, 0.26), ffn_log(1, 0.2)], afd_tokens=(1, 5, 3)
+    )
+    cfg = DemoConfig(
+        model=tmp_path,
+        num_ffn_ranks=2,
+        gate_on_attention=True,
+        prompts=("a", "b"),
+        log_dir=tmp_path / "logs",
+        ffn_compute="mega",
+        expert_quant="w4a8",
+        expert_quant_group_size=32,
+    )
+    report = run.run_demo(cfg, progress=lambda msg: None)
+    assert calls["ffn_extra"] == {
+        "ffn_compute": "mega",
+        "expert_quant": "w4a8",
+        "expert_quant_group_size": 32,
+    }
+    assert calls["ffn_env"] == {REPORT_ERROR_ENV: "1"}
+    assert REPORT_ERROR_ENV == "AFD_REPORT_QUANT_ERROR"
+    assert not report.parity.ok
+    quant = report.quant
+    assert quant is not None
+    assert (quant.equal_tokens, quant.total_tokens, quant.tolerance) == (4, 6, 4e-1)
+    assert [(r.rank, r.name, r.error) for r in quant.ranks] == [
+        (0, "afd-ffn0", (0, 7, 0.26)),
+        (1, "afd-ffn1", (0, 7, 0.2)),
+    ]
+    assert [r.quant.ratio_vs_bf16 for r in quant.ranks if r.quant] == [0.3, 0.3]
+    assert report.ok
+    assert "greedy tokens equal to plain fp32 vLLM: 4 of 6 (66.7%)" in render_report(report)
+
+
+def test_run_demo_quantized_without_error_lines_fails(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _fake_demo_run(monkeypatch, ["AFD role=ffn param_bytes=1\n"], afd_tokens=(1, 2, 3))
+    cfg = DemoConfig(
+        model=tmp_path,
+        prompts=("a",),
+        log_dir=tmp_path / "logs",
+        ffn_compute="layered",
+        expert_quant="w8a8",
+    )
+    report = run.run_demo(cfg, progress=lambda msg: None)
+    assert report.parity.ok and not report.ok
+    assert report.quant is not None and report.quant.unmeasured == (0,)
+    assert report.quant.ranks[0].quant is None
+
+
+def test_run_demo_without_quantization_sets_nothing_on_the_ffn_ranks(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    _events, calls = _fake_demo_run(monkeypatch, [""], afd_tokens=(1, 2, 3))
+    cfg = DemoConfig(model=tmp_path, prompts=("a",), log_dir=tmp_path / "logs")
+    report = run.run_demo(cfg, progress=lambda msg: None)
+    assert (calls["ffn_extra"], calls["ffn_env"]) == (None, None)
+    assert report.quant is None and report.ok
+    assert "quantized" not in render_report(report)

@@ -29,7 +29,10 @@ from afd_models.demo.servers import (  # noqa: E402
     free_ports,
     parity_options,
     parse_ffn_stats,
+    parse_layer_signatures,
     parse_param_bytes,
+    parse_quant_error,
+    parse_quantized,
     process_tree_rss,
     wait_until_healthy,
 )
@@ -305,6 +308,131 @@ def test_afd_servers_reject_bad_ffn_ranks(
     assert str(err.value).startswith(message)
 
 
+QUANT_FIELDS = {"ffn_compute": "mega", "expert_quant": "w4a8", "expert_quant_group_size": 32}
+
+
+def test_ffn_extra_reaches_the_ffn_role_mapping_only() -> None:
+    common: dict[str, Any] = {
+        "afd_port": 29555,
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 2,
+        "gate_on_attention": True,
+        "extra": {"timeout_s": 30.0},
+        "ffn_extra": QUANT_FIELDS,
+    }
+    ffn = afd_config("ffn", ffn_rank=1, **common)
+    assert ffn == {
+        "role": "ffn",
+        "port": 29555,
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 2,
+        "ffn_rank": 1,
+        "compute_gate_on_attention": True,
+        "timeout_s": 30.0,
+        **QUANT_FIELDS,
+    }
+    attention = afd_config("attention", **common)
+    assert attention == {
+        "role": "attention",
+        "port": 29555,
+        "num_attention_ranks": 1,
+        "num_ffn_ranks": 2,
+        "compute_gate_on_attention": True,
+        "timeout_s": 30.0,
+    }
+    assert json.loads(afd_role_args("ffn", **common)[1])["afd"]["expert_quant"] == "w4a8"
+    att_args = afd_role_args("attention", **common)
+    assert not set(QUANT_FIELDS) & set(json.loads(att_args[1])["afd"])
+    # Both are valid afd-core configs (the FFN-local fields are outside the agreement).
+    from afd_core.config import AFDConfig
+
+    f, a = AFDConfig.from_mapping(ffn), AFDConfig.from_mapping(attention)
+    assert (f.ffn_compute, f.expert_quant, f.expert_quant_group_size) == ("mega", "w4a8", 32)
+    assert (a.ffn_compute, a.expert_quant) == ("native", "none")
+    assert f.agreement_hash() == a.agreement_hash()
+
+
+@pytest.mark.parametrize("role", ["ffn", "attention"])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (
+            {"ffn_extra": {"ffn_rank": 1}},
+            "ffn_extra key 'ffn_rank' would override a core AFD field",
+        ),
+        ({"ffn_extra": {"role": "ffn"}}, "ffn_extra key 'role' would override a core AFD field"),
+        ({"ffn_extra": {"port": 1}}, "ffn_extra key 'port' would override a core AFD field"),
+        (
+            {"ffn_extra": {"num_ffn_ranks": 2}},
+            "ffn_extra key 'num_ffn_ranks' would override a core AFD field",
+        ),
+        (
+            {"ffn_extra": {"compute_gate_on_attention": True}},
+            "ffn_extra key 'compute_gate_on_attention' would override a core AFD field",
+        ),
+        (
+            {"extra": {"expert_quant": "w8a8"}, "ffn_extra": {"expert_quant": "w4a8"}},
+            "ffn_extra key 'expert_quant' is also an extra key",
+        ),
+    ],
+)
+def test_ffn_extra_cannot_override_core_fields(
+    role: Any, kwargs: dict[str, Any], message: str
+) -> None:
+    base: dict[str, Any] = {"afd_port": 1234, "num_attention_ranks": 1, "gate_on_attention": False}
+    for build in (afd_config, afd_role_args):
+        with pytest.raises(ValueError) as err:
+            build(role, **base, **kwargs)
+        assert str(err.value) == message
+
+
+def test_afd_servers_give_ffn_extra_and_ffn_env_to_the_ffn_servers_only(tmp_path: Path) -> None:
+    opts = EngineOptions(env={"VLLM_CPU_KVCACHE_SPACE": "1", "SHARED": "engine"})
+    att, ffns = afd_servers(
+        "/m",
+        log_dir=tmp_path,
+        options=opts,
+        num_attention_ranks=1,
+        num_ffn_ranks=2,
+        gate_on_attention=True,
+        afd_extra={"timeout_s": 30.0},
+        ffn_extra=QUANT_FIELDS,
+        ffn_env={"AFD_REPORT_QUANT_ERROR": "1", "SHARED": "ffn"},
+    )
+    assert len(ffns) == 2
+    for rank, ffn in enumerate(ffns):
+        cfg = _afd(ffn)
+        assert {k: cfg[k] for k in QUANT_FIELDS} == QUANT_FIELDS
+        assert (cfg["ffn_rank"], cfg["timeout_s"]) == (rank, 30.0)
+        assert dict(ffn.config.env) == {
+            "VLLM_CPU_KVCACHE_SPACE": "1",
+            "SHARED": "ffn",
+            "AFD_REPORT_QUANT_ERROR": "1",
+        }
+    att_cfg = _afd(att)
+    assert not set(QUANT_FIELDS) & set(att_cfg)
+    assert att_cfg["timeout_s"] == 30.0
+    assert dict(att.config.env) == {"VLLM_CPU_KVCACHE_SPACE": "1", "SHARED": "engine"}
+    # Without them the servers are exactly as before.
+    att, (ffn,) = afd_servers(
+        "/m", log_dir=tmp_path, options=opts, num_attention_ranks=1, gate_on_attention=False
+    )
+    assert not set(QUANT_FIELDS) & set(_afd(ffn))
+    assert dict(ffn.config.env) == dict(att.config.env) == dict(opts.env)
+
+
+def test_afd_servers_reject_core_ffn_extra_keys(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="ffn_extra key 'ffn_rank' would override"):
+        afd_servers(
+            "/m",
+            log_dir=tmp_path,
+            options=EngineOptions(),
+            num_attention_ranks=1,
+            gate_on_attention=False,
+            ffn_extra={"ffn_rank": 0},
+        )
+
+
 def test_free_ports_are_distinct() -> None:
     ports = free_ports(16)
     assert len(ports) == 16 and len(set(ports)) == 16
@@ -408,6 +536,90 @@ def test_parse_param_bytes_per_role_and_rank() -> None:
     )
     assert parse_param_bytes(log) == {"attention": (1000, 1001), "ffn": (52,)}
     assert parse_param_bytes("nothing here") == {}
+
+
+def _quant_line(rank: int, kind: str, scheme: str, group: int, nbytes: int, bf16: int) -> str:
+    from afd_runtime.quantized import QUANT_FORMAT
+
+    return QUANT_FORMAT.format(
+        rank=rank, kind=kind, scheme=scheme, group=group, nbytes=nbytes, bf16=bf16, layers=4
+    )
+
+
+def test_parse_quantized_reads_each_ffn_ranks_quant_line() -> None:
+    from afd_models.demo.servers import QuantReport
+
+    log = "\n".join(
+        [
+            "noise",
+            "(EngineCore_DP0 pid=7) " + _quant_line(0, "layered", "w8a8", 0, 540672, 1048576),
+            _quant_line(1, "mega", "w4a8_per_group", 32, 294912, 1048576),
+            "AFD FFN rank=0 stats steps=1 compute_calls=4 tokens=8 bytes=1 peers=1 layers=4",
+            _quant_line(2, "mega", "w4a8_per_channel", 0, 0, 0),
+        ]
+    )
+    assert _quant_line(0, "layered", "w8a8", 0, 1, 2) == (
+        "AFD FFN rank=0 quantized compute=layered scheme=w8a8 group_size=0 expert_bytes=1 "
+        "bf16_bytes=2 layers=4"
+    )
+    got = parse_quantized(log)
+    assert got == {
+        0: QuantReport(0, "layered", "w8a8", 0, 540672, 1048576, 4),
+        1: QuantReport(1, "mega", "w4a8_per_group", 32, 294912, 1048576, 4),
+        2: QuantReport(2, "mega", "w4a8_per_channel", 0, 0, 0, 4),
+    }
+    assert got[0].ratio_vs_bf16 == 540672 / 1048576
+    assert got[1].ratio_vs_bf16 == 0.28125
+    assert got[2].ratio_vs_bf16 == 0.0
+    # The last line of a rank wins; no line: nothing.
+    again = _quant_line(0, "mega", "w8a8", 0, 7, 14)
+    assert parse_quantized(f"{log}\n{again}\n")[0].compute == "mega"
+    assert parse_quantized("nothing here") == {}
+
+
+def test_parse_quant_error_keeps_each_ranks_last_line() -> None:
+    from afd_runtime.quantized import ERROR_FORMAT
+
+    def line(rank: int, calls: int, err: float, layer: int = 0) -> str:
+        return ERROR_FORMAT.format(rank=rank, layer=layer, calls=calls, err=err)
+
+    assert line(0, 1, 0.0123) == "AFD FFN rank=0 quant_error layer=0 calls=1 max_rel=1.230e-02"
+    log = "\n".join(
+        [
+            "(EngineCore_DP0 pid=7) " + line(0, 1, 0.0123),
+            line(1, 1, 0.25, layer=1),
+            "(EngineCore_DP0 pid=7) INFO something else",
+            line(0, 9, 0.028),
+            line(1, 3, 0.31, layer=1),
+        ]
+    )
+    got = parse_quant_error(log)
+    assert got == {0: (0, 9, 2.8e-2), 1: (1, 3, 3.1e-1)}
+    assert parse_quant_error(line(0, 2, 0.0)) == {0: (0, 2, 0.0)}
+    assert parse_quant_error(_quant_line(0, "layered", "w8a8", 0, 1, 2)) == {}
+
+
+def test_parse_layer_signatures_per_rank_and_layer() -> None:
+    from afd_runtime.quantized import SIGNATURE_FORMAT
+
+    def line(rank: int, layer: int, digest: str) -> str:
+        return SIGNATURE_FORMAT.format(rank=rank, layer=layer, kind="mega", digest=digest)
+
+    assert line(0, 3, "ab12") == "AFD FFN rank=0 layer=3 compute=mega signature=ab12"
+    log = "\n".join(
+        [
+            _quant_line(0, "mega", "w8a8", 0, 1, 2),
+            line(0, 0, "0f" * 32),
+            "(EngineCore_DP0 pid=7) " + line(0, 1, "1e" * 32),
+            line(1, 0, "2d" * 32),
+            line(0, 1, "3c" * 32),
+        ]
+    )
+    assert parse_layer_signatures(log) == {
+        0: {0: "0f" * 32, 1: "3c" * 32},
+        1: {0: "2d" * 32},
+    }
+    assert parse_layer_signatures("AFD FFN rank=0 layer=1 compute=mega") == {}
 
 
 @pytest.mark.timeout(60)

@@ -118,17 +118,115 @@ def test_compute_selection_errors() -> None:
 
     assert ffn_compute_name(cfg()) == "native"
     assert ffn_compute_name(cfg(ffn_compute="Native")) == "native"
-    for name in ("layered", "mega"):  # valid kinds, not served yet: refused before serving
-        config = cfg(ffn_compute=name)
+    for name in ("layered", "mega"):  # a model without quantized experts: refused at selection
+        config = cfg(ffn_compute=name, expert_quant="w8a8")
+        assert ffn_compute_name(config) == name
         with pytest.raises(AFDConfigError) as err:
-            ffn_compute_name(config)
-        assert (err.value.field, err.value.value) == ("ffn_compute", name)
-        assert "not wired into serving yet" in str(err.value)
-        with pytest.raises(AFDConfigError):
             select_ffn_compute(config, _Model(), _Ctx())
+        assert (err.value.field, err.value.value) == ("expert_quant", "w8a8")
     with pytest.raises(AFDConfigError) as err:  # unknown kinds: refused when parsing
         cfg(ffn_compute="bogus")
     assert (err.value.field, err.value.value) == ("ffn_compute", "bogus")
     assert "['native', 'layered', 'mega']" in err.value.allowed
     with pytest.raises(TypeError, match="AFDFFNModel"):
         select_ffn_compute(cfg(), object(), _Ctx())  # type: ignore[arg-type]
+
+
+# -- quantized computes ------------------------------------------------------------------------
+
+
+def _quantized_model(scheme: Any, group_size: int = 0) -> Any:
+    """An AFDQuantizedFFNModel over random experts (E=4, H=64, I=32, two layers), routing by a
+    fixed top-2 of the token index."""
+    from afd_weights import export_quantized_expert_weights
+
+    gen = torch.Generator().manual_seed(0)
+    e, h, i = 4, 64, 32
+    sources = {
+        layer: (torch.randn(e, 2 * i, h, generator=gen), torch.randn(e, h, i, generator=gen))
+        for layer in (1, 3)
+    }
+    weights = export_quantized_expert_weights(sources, scheme=scheme, group_size=group_size)
+
+    class Model:
+        afd_moe_layer_indices = (1, 3)
+        afd_payload_spec = AFDPayloadSpec(hidden_size=h, dtype=torch.float32)
+        afd_quantized_weights = weights
+        afd_compute_top_k = 2
+
+        def __init__(self) -> None:
+            self.routes: list[int] = []
+
+        def afd_ffn_forward(self, *args: Any) -> torch.Tensor:
+            raise AssertionError("the quantized compute never calls the float path")
+
+        def afd_route(
+            self, layer_idx: int, hidden: torch.Tensor, logits: Any, topk: Any
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            self.routes.append(layer_idx)
+            n = hidden.shape[0]
+            ids = torch.stack([torch.arange(n) % e, (torch.arange(n) + 1) % e], 1)
+            return torch.full((n, 2), 0.5), ids.to(torch.int32)
+
+    return Model()
+
+
+class _Conn:
+    def __init__(self, name: str = "afd-p2p/127.0.0.1:1/g1/data") -> None:
+        from afd_core.connector import AFDGroupInfo
+
+        self.info = AFDGroupInfo(name=name, world_size=3, rank=2, peer_ranks=(0, 1))
+
+    def group_info(self) -> Any:
+        return self.info
+
+
+def test_layered_and_mega_compute_identical_outputs_and_mega_binds_per_connection() -> None:
+    from afd_compute_npu import MegaNotBoundError
+    from afd_runtime.quantized import QuantizedFFNCompute
+    from afd_weights import QuantScheme
+
+    model = _quantized_model(QuantScheme.W4A8_PER_CHANNEL)
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(1))
+    layered = select_ffn_compute(
+        AFDConfig.from_mapping({"role": "ffn", "ffn_compute": "layered", "expert_quant": "w4a8"}),
+        model,
+        _Ctx(),
+        max_tokens=16,
+    )
+    mega = QuantizedFFNCompute("mega", model, max_tokens=16, ffn_rank=0)
+    assert isinstance(layered, QuantizedFFNCompute) and not layered.needs_bind
+    with pytest.raises(MegaNotBoundError):  # no step runs unbound
+        mega(1, x, None)
+    mega.bind(_Conn())
+    mega.bind(_Conn("afd-p2p/127.0.0.1:1/g2/data"))  # a new connection: a new bound Mega
+    assert mega.binds == 2
+    for layer in (1, 3):
+        a, b = layered(layer, x, None), mega(layer, x, None)
+        assert a.shape == (5, 64) and torch.equal(a, b)
+        assert a.data_ptr() != layered(layer, x, None).data_ptr()  # the reply owns its rows
+    # One signature line per layer, distinct layers, the scheme and bytes in the first line.
+    lines = layered.report()
+    assert lines[0].startswith("AFD FFN rank=0 quantized compute=layered scheme=w4a8_per_channel")
+    assert f"expert_bytes={model.afd_quantized_weights.nbytes()}" in lines[0]
+    digests = [line.split("signature=")[1] for line in lines[1:]]
+    assert len(digests) == 2 and digests[0] != digests[1]
+    assert layered.role_agreement() == {
+        "expert_quant": "w4a8_per_channel",
+        "group_size": 0,
+        "hidden_size": 64,
+        "intermediate_size": 32,
+        "swiglu_limit": 0.0,
+        "dtype": "torch.float32",
+    }
+
+
+def test_injected_mega_bind_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    from afd_runtime.quantized import FAULT_ENV, QuantizedFFNCompute
+    from afd_weights import QuantScheme
+
+    mega = QuantizedFFNCompute("mega", _quantized_model(QuantScheme.W8A8), max_tokens=8, ffn_rank=1)
+    monkeypatch.setenv(FAULT_ENV, "mega_bind")
+    with pytest.raises(RuntimeError, match=r"Mega bind to group .*g1/data.* failed \(injected"):
+        mega.bind(_Conn())
+    assert mega.binds == 0

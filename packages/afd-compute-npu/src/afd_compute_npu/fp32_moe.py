@@ -1,10 +1,16 @@
 """An fp32 MoE over the dequantized weights: the accuracy yardstick for the quantized paths.
 
-Documented tolerance (checked by the tests): for activations of unit scale, the quantized
-Layered/Mega outputs ``y`` satisfy ``max|y - ref| <= FP32_TOLERANCE * max|ref|`` where ``ref`` is
-:func:`fp32_dequantized_moe` on the same weights. The error budget is int8 activation
-quantization at both GEMM inputs (relative step ~1/254 each) plus bf16 rounding of the expert
-outputs, the router weights and the combined result (~2**-8 each).
+Documented tolerance (checked by ``tests/test_compute_accuracy.py`` over H in {96, 128, 256},
+I in {32, 128, 256}, every scheme and valid group size, T in {1, 8, 64}, K in {2, 8}): for
+unit-scale, Gaussian-like activations the quantized Layered/Mega outputs ``y`` satisfy
+``max|y - ref| <= FP32_TOLERANCE * max|ref|`` where ``ref`` is :func:`fp32_dequantized_moe` on the
+same weights. Measured (README "Accuracy"): at most 3.52e-2 over those shapes (margin 1.7x) and
+at most 4.5e-2 in spot checks up to I = 2048 (margin 1.3x).
+
+The error budget is int8 activation quantization at both GEMM inputs (a step of ``max|row|/127``
+per row, so the relative error grows with each row's crest factor ``max|a| / rms(a)``, which for
+the SwiGLU output grows slowly with I) plus bf16 rounding of the expert outputs, the router
+weights and the combined result (~2**-8 each). Heavy-tailed activations can exceed the bound.
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ from afd_weights import QuantizedExpertWeights, dequantize_layer
 
 __all__ = ["FP32_TOLERANCE", "fp32_dequantized_moe"]
 
-FP32_TOLERANCE = 4e-2
-"""Max abs error relative to ``max|ref|`` (bf16 output, unit-scale activations)."""
+FP32_TOLERANCE = 6e-2
+"""Max abs error relative to ``max|ref|`` (bf16 output, unit-scale Gaussian-like activations)."""
 
 
 def fp32_dequantized_moe(

@@ -7,8 +7,12 @@ bit-identical results.
 Rounding, step by step (``T`` tokens, ``K`` top-k, ``E`` experts, ``H`` hidden, ``I`` intermediate):
 
 1. **Token quantization** (:func:`dynamic_quant_int8`), per row, symmetric, in fp32:
-   ``amax = max|x|``; ``inv = fp32(127 / amax)``; ``q = clamp(rint(x * inv), -127, 127)`` with
-   round-half-even; ``scale = fp32(1 / inv)``. A row with ``amax == 0`` gets ``q = 0, scale = 1``.
+   ``amax = max|x|``; ``inv = fp32(127 / amax)``; ``q = clamp(rint(fp32(x * inv)), -127, 127)``
+   with round-half-even; ``scale = fp32(1 / inv)``. Both quotients are true divisions correctly
+   rounded to fp32 (formed in float64 and cast, which rounds correctly for fp32 operands; not
+   PyTorch's ``127.0 / t`` = ``t.reciprocal() * 127``, which rounds twice). A row with
+   ``amax == 0`` gets ``q = 0, scale = 1``; every other row has a code of ±127, so a row's codes
+   are all zero iff the row is all zero (a padding row).
    (The CANN DynamicQuant plain kernel; its double-buffer variant may differ by 1 ulp in ``scale``.)
 2. **Routing** (:func:`route`): a stable sort of the flattened ``topk_ids``; expanded row ``i`` is
    flat entry ``order[i]`` (token ``order[i] // K``); ``expanded_row_idx[order[i]] = i``; per-expert
@@ -19,12 +23,16 @@ Rounding, step by step (``T`` tokens, ``K`` top-k, ``E`` experts, ``H`` hidden, 
    ``q_hi = floor(q / 16)``, ``q_lo = (q & 15) - 8``; ``C_* = fp32(sum q_* W) * s_w`` (per group,
    summed over groups in ascending order, when per-group); ``h = (16*C_hi + C_lo + B) * s_x``.
    The NPU rounds ``C_*`` to fp16 in the fixpipe; the reference keeps fp32 (documented deviation).
+   A row with all-zero codes gives ``h = 0`` exactly in every scheme (W8A8: ``acc = 0``; W4A8:
+   ``16*C_hi + C_lo + B`` is set to 0, dropping the fp32 residue of ``C_lo + B`` that the split
+   leaves when ``q_lo = -8``). Such a row then stays exactly 0 through steps 4-8.
 4. **Clamp and SwiGLU** in fp32: gate ``g = h[:, :I]``, up ``u = h[:, I:]``; when ``L > 0``:
    ``g = min(g, L)``, ``u = clamp(u, -L, L)``; ``a = g / (1 + exp(-g)) * u``.
 5. **Requantization**: :func:`dynamic_quant_int8` of ``a`` (the fused NPU kernels round through
    fp16 first, so ``q_a`` may differ from the device by 1 on rare elements).
 6. **GEMM2**: W8A8 ``y = out_dtype(fp32(acc2 * s2) * s_a)``; W4A8
-   ``y = out_dtype((16*D_hi + D_lo + B2) * s_a)``; the cast rounds to nearest even.
+   ``y = out_dtype((16*D_hi + D_lo + B2) * s_a)`` (0 for all-zero code rows, as in step 3); the
+   cast rounds to nearest even.
 7. **Combine**: ``p = fp32(out_dtype(topk_weights))``; ``acc = y_0 * p_0``, then
    ``acc += y_k * p_k``
    for ``k = 1..K-1`` in order, skipping ``p == 0``; cast to ``out_dtype``.
@@ -49,14 +57,33 @@ __all__ = [
 ]
 
 
+def _fp32_quotient(numerator: float, denominator: torch.Tensor) -> torch.Tensor:
+    """``fp32(numerator / denominator)``, correctly rounded, for an fp32 ``denominator``.
+
+    PyTorch evaluates ``scalar / tensor`` as ``tensor.reciprocal() * scalar``: for ``127 / amax``
+    that is two roundings, 1 ulp off on about a quarter of the values (for ``1 / inv`` the
+    reciprocal is a single rounding already; both go through here for uniformity). Here the true
+    quotient is formed in float64 (a tensor / tensor division, correctly rounded) and cast to
+    fp32. For fp32 operands (``numerator`` is 127 or 1, exact) that double rounding is innocuous:
+    the float64 quotient rounded to fp32 is the correctly rounded fp32 quotient, because float64's
+    53 significand bits >= 2 * 24 + 2.
+    """
+    d = denominator.double()
+    return (torch.full_like(d, numerator) / d).float()
+
+
 def dynamic_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-row symmetric dynamic int8 quantization: ``(codes int8 [R, C], scale fp32 [R])``."""
+    """Per-row symmetric dynamic int8 quantization: ``(codes int8 [R, C], scale fp32 [R])``.
+
+    ``inv = fp32(127 / amax)`` and ``scale = fp32(1 / inv)`` are correctly rounded divisions (see
+    :func:`_fp32_quotient`); a row with ``amax == 0`` gets codes 0 and scale 1.
+    """
     xf = x.float()
     amax = xf.abs().amax(dim=-1) if xf.shape[-1] else xf.new_zeros(xf.shape[:-1])
     nonzero = amax > 0
-    inv = torch.where(nonzero, 127.0 / torch.where(nonzero, amax, 1.0), 0.0)
+    inv = torch.where(nonzero, _fp32_quotient(127.0, torch.where(nonzero, amax, 1.0)), 0.0)
     q = torch.clamp(torch.round(xf * inv.unsqueeze(-1)), -127, 127).to(torch.int8)
-    scale = torch.where(nonzero, 1.0 / torch.where(nonzero, inv, 1.0), 1.0)
+    scale = torch.where(nonzero, _fp32_quotient(1.0, torch.where(nonzero, inv, 1.0)), 1.0)
     return q, scale
 
 
@@ -102,7 +129,11 @@ def _split_hi_lo(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int4_dequant(
     q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
-    """``16*C_hi + C_lo + B`` for rows ``q`` [r, K] against int4 codes [K, N], scale [G, N]."""
+    """``16*C_hi + C_lo + B`` for rows ``q`` [r, K] against int4 codes [K, N], scale [G, N].
+
+    A row whose codes are all zero gives exactly 0 (its product ``q W`` is exactly 0; the split
+    would leave the fp32 residue of ``C_lo + B``, since ``q_lo = -8`` there).
+    """
     hi, lo = _split_hi_lo(q)
     groups = scale.shape[0]
     gsize = codes.shape[0] // groups
@@ -113,7 +144,9 @@ def _int4_dequant(
         w = codes[sl]
         c_hi = c_hi + int_gemm(hi[:, sl].contiguous(), w).float() * scale[g]
         c_lo = c_lo + int_gemm(lo[:, sl].contiguous(), w).float() * scale[g]
-    return 16.0 * c_hi + c_lo + bias
+    d = 16.0 * c_hi + c_lo + bias
+    zero_rows = ~q.any(dim=-1, keepdim=True)
+    return torch.where(zero_rows, 0.0, d)
 
 
 def swiglu(h: torch.Tensor, swiglu_limit: float) -> torch.Tensor:

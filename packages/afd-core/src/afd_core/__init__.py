@@ -1,7 +1,7 @@
 """AFD config, connector contract and registry, topology, transfer/control metadata, forward-context access, DBO hook, startup coordination and the torch.distributed P2P connector.
 
 The names below are re-exported for convenience; each lives in one small module
-(``afd_core.config``, ``.topology``, ``.metadata``, ``.connector``, ``.forward_context``,
+(``afd_core.config``, ``.topology``, ``.expert_map``, ``.metadata``, ``.connector``, ``.forward_context``,
 ``.startup``, ``.errors``, ``.p2p``). vLLM is never imported by this package.
 """
 
@@ -10,6 +10,7 @@ from importlib.metadata import version as _version
 from afd_core.config import AFDConfig, AFDRole, parse_afd_config
 from afd_core.connector import (
     AFDConnectorBase,
+    AFDGroupInfo,
     AFDTransferHandle,
     available_connectors,
     create_connector,
@@ -26,10 +27,12 @@ from afd_core.errors import (
     AFDPayloadError,
     AFDPeerError,
     AFDProtocolError,
+    AFDReadyHookError,
     AFDRegistryError,
     AFDStartupError,
     AFDTimeoutError,
 )
+from afd_core.expert_map import ExpertMap
 from afd_core.forward_context import (
     AFDForwardMetadata,
     dbo_yield,
@@ -58,6 +61,7 @@ __all__ = [
     "AFDControlMessage",
     "AFDError",
     "AFDForwardMetadata",
+    "AFDGroupInfo",
     "AFDHandshakeError",
     "AFDNotInitializedError",
     "AFDPayload",
@@ -65,6 +69,7 @@ __all__ = [
     "AFDPayloadSpec",
     "AFDPeerError",
     "AFDProtocolError",
+    "AFDReadyHookError",
     "AFDRegistryError",
     "AFDRole",
     "AFDStartupError",
@@ -72,6 +77,7 @@ __all__ = [
     "AFDTopology",
     "AFDTransferHandle",
     "AFDTransferMetadata",
+    "ExpertMap",
     "StartupCoordinator",
     "__version__",
     "available_connectors",

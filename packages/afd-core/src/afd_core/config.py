@@ -10,7 +10,9 @@ Invariants:
   aliases are accepted but an alias together with its canonical key is an error, and coercion is
   strict (``bool`` is never an int, ``float`` is never an int, ints are never booleans).
 * :meth:`AFDConfig.agreement_hash` covers exactly the fields both roles must agree on (everything
-  but :data:`LOCAL_FIELDS`: ``role``, ``ffn_rank``, the timeouts and ``ffn_compute``) and is stable across
+  but :data:`LOCAL_FIELDS`: ``role``, ``ffn_rank``, the timeouts, ``ffn_compute`` and the expert
+  quantization, each process's own choices; FFN ranks compare their quantization geometry in the
+  connector handshake instead) and is stable across
   processes and Python versions.
 """
 
@@ -32,6 +34,7 @@ __all__ = [
     "CONFIG_ALIASES",
     "CONFIG_FIELDS",
     "CONNECTOR_NAME_ALIASES",
+    "EXPERT_QUANT_SCHEMES",
     "FFN_COMPUTE_KINDS",
     "LOCAL_FIELDS",
     "AFDConfig",
@@ -55,6 +58,8 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "timeout_s",
     "startup_timeout_s",
     "ffn_compute",
+    "expert_quant",
+    "expert_quant_group_size",
     "connector_extra_config",
 )
 """Canonical keys accepted under ``additional_config["afd"]``."""
@@ -64,12 +69,20 @@ FFN_COMPUTE_KINDS: tuple[str, ...] = ("native", "layered", "mega")
 own vLLM ``FusedMoE``; ``layered`` / ``mega`` are afd-compute-npu's computes (the runtime says
 which of them it can serve)."""
 
+EXPERT_QUANT_SCHEMES: tuple[str, ...] = ("none", "w8a8", "w4a8")
+"""Values of ``expert_quant`` (how the FFN role stores its routed experts): ``none`` keeps the
+checkpoint's float experts (``ffn_compute='native'``); ``w8a8`` / ``w4a8`` quantize them at load
+for afd-compute-npu's ``layered`` / ``mega`` computes (W4A8 per channel, or per group of
+``expert_quant_group_size`` input rows when that is > 0)."""
+
 LOCAL_FIELDS: tuple[str, ...] = (
     "role",
     "ffn_rank",
     "timeout_s",
     "startup_timeout_s",
     "ffn_compute",
+    "expert_quant",
+    "expert_quant_group_size",
 )
 """Fields each process may set on its own: excluded from :meth:`AFDConfig.agreement_hash`."""
 
@@ -198,6 +211,8 @@ class AFDConfig:
     timeout_s: float = 120.0
     startup_timeout_s: float = 300.0
     ffn_compute: str = "native"
+    expert_quant: str = "none"
+    expert_quant_group_size: int = 0
     connector_extra_config: Mapping[str, Any] = field(
         default_factory=lambda: MappingProxyType({}), hash=False
     )
@@ -270,6 +285,31 @@ class AFDConfig:
         if self.ffn_compute not in FFN_COMPUTE_KINDS:
             raise AFDConfigError(
                 "ffn_compute", self.ffn_compute, f"one of {list(FFN_COMPUTE_KINDS)}"
+            )
+        if self.expert_quant not in EXPERT_QUANT_SCHEMES:
+            raise AFDConfigError(
+                "expert_quant", self.expert_quant, f"one of {list(EXPERT_QUANT_SCHEMES)}"
+            )
+        if self.ffn_compute == "native" and self.expert_quant != "none":
+            raise AFDConfigError(
+                "expert_quant",
+                self.expert_quant,
+                "'none' with ffn_compute='native' (vLLM's FusedMoE computes the float experts); "
+                "quantized experts need ffn_compute 'layered' or 'mega'",
+            )
+        if self.ffn_compute != "native" and self.expert_quant == "none":
+            raise AFDConfigError(
+                "ffn_compute",
+                self.ffn_compute,
+                f"'native' with expert_quant='none' ({self.ffn_compute!r} computes quantized "
+                "experts: set expert_quant to 'w8a8' or 'w4a8')",
+            )
+        self._check_int("expert_quant_group_size", self.expert_quant_group_size, 0, 1 << 20)
+        if self.expert_quant_group_size and self.expert_quant != "w4a8":
+            raise AFDConfigError(
+                "expert_quant_group_size",
+                self.expert_quant_group_size,
+                f"0 with expert_quant={self.expert_quant!r} (groups exist for 'w4a8' only)",
             )
 
         extra = _freeze_extra(self.connector_extra_config)
@@ -356,7 +396,13 @@ class AFDConfig:
             kwargs["connector"] = _coerce_str("connector", canonical["connector"])
         if "host" in canonical:
             kwargs["host"] = _coerce_str("host", canonical["host"])
-        for name in ("port", "num_attention_ranks", "num_ffn_ranks", "ffn_rank"):
+        for name in (
+            "port",
+            "num_attention_ranks",
+            "num_ffn_ranks",
+            "ffn_rank",
+            "expert_quant_group_size",
+        ):
             if name in canonical:
                 kwargs[name] = _coerce_int(name, canonical[name])
         if "compute_gate_on_attention" in canonical:
@@ -368,6 +414,8 @@ class AFDConfig:
                 kwargs[name] = _coerce_float(name, canonical[name])
         if "ffn_compute" in canonical:
             kwargs["ffn_compute"] = _coerce_str("ffn_compute", canonical["ffn_compute"]).lower()
+        if "expert_quant" in canonical:
+            kwargs["expert_quant"] = _coerce_str("expert_quant", canonical["expert_quant"]).lower()
         if "connector_extra_config" in canonical:
             extra = canonical["connector_extra_config"]
             kwargs["connector_extra_config"] = {} if extra is None else _freeze_extra(extra)
@@ -387,6 +435,8 @@ class AFDConfig:
             "timeout_s": self.timeout_s,
             "startup_timeout_s": self.startup_timeout_s,
             "ffn_compute": self.ffn_compute,
+            "expert_quant": self.expert_quant,
+            "expert_quant_group_size": self.expert_quant_group_size,
             "connector_extra_config": dict(self.connector_extra_config),
         }
 

@@ -31,6 +31,7 @@ import contextlib
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib import import_module
 from importlib.metadata import entry_points
 from types import TracebackType
@@ -46,7 +47,9 @@ from afd_core.topology import AFDTopology
 __all__ = [
     "CONNECTOR_ENTRY_POINT_GROUP",
     "AFDConnectorBase",
+    "AFDGroupInfo",
     "AFDTransferHandle",
+    "ReadyHook",
     "available_connectors",
     "create_connector",
     "get_connector_class",
@@ -55,6 +58,24 @@ __all__ = [
 ]
 
 CONNECTOR_ENTRY_POINT_GROUP = "afd.connectors"
+
+
+@dataclass(frozen=True)
+class AFDGroupInfo:
+    """The communication group a connector set up, as values (for a compute that binds to it,
+    e.g. afd-compute-npu's Mega): a name unique to this initialisation, the world size, this
+    rank and the world ranks it exchanges data with."""
+
+    name: str
+    world_size: int
+    rank: int
+    peer_ranks: tuple[int, ...]
+
+
+ReadyHook = Callable[["AFDConnectorBase"], None]
+"""Called by ``init`` once the connector's groups exist, before its peers are told it is ready
+(the P2P connector: before the final startup barrier). Raising fails ``init`` on this rank and is
+published to every peer, whose ``init`` then fails naming this rank and the error."""
 
 
 class AFDTransferHandle:
@@ -113,6 +134,8 @@ class AFDConnectorBase(ABC):
         payload_spec: AFDPayloadSpec,
         num_layers: int,
         device: torch.device | str | None = None,
+        role_agreement: Mapping[str, Any] | None = None,
+        ready_hook: ReadyHook | None = None,
     ) -> None:
         if not isinstance(config, AFDConfig):
             raise AFDConfigError("config", type(config).__name__, "an AFDConfig")
@@ -141,9 +164,17 @@ class AFDConnectorBase(ABC):
             raise AFDConfigError(
                 "device", device, "a torch device (cpu, cuda[:i], npu[:i])"
             ) from None
+        if role_agreement is not None and not isinstance(role_agreement, Mapping):
+            raise AFDConfigError("role_agreement", role_agreement, "None or a mapping")
+        if ready_hook is not None and not callable(ready_hook):
+            raise AFDConfigError("ready_hook", ready_hook, "None or a callable(connector)")
         self.config = config
         self.topology = topology
         self.role_rank = role_rank
+        #: Values every rank of this rank's role must publish equal at init (e.g. the FFN ranks'
+        #: quantization geometry); ranks of the other role do not compare them.
+        self.role_agreement: dict[str, Any] = dict(role_agreement or {})
+        self.ready_hook = ready_hook
         self.payload_spec = payload_spec
         self.num_layers = num_layers
         self.device = dev
@@ -159,6 +190,14 @@ class AFDConnectorBase(ABC):
     def world_rank(self) -> int:
         """This rank's rank in the connector world (Attention first, then FFN)."""
         return self.topology.world_rank(self.role, self.role_rank)
+
+    def group_info(self) -> AFDGroupInfo:
+        """The group this initialised connector exchanges data on (see :class:`AFDGroupInfo`).
+
+        Raises:
+            AFDConnectorError: the connector has no such group (the default).
+        """
+        raise AFDConnectorError(f"connector {self.name!r} exposes no communication group")
 
     @property
     def supported_payload_fields(self) -> frozenset[str]:
@@ -382,9 +421,17 @@ def create_connector(
     num_layers: int,
     device: torch.device | str | None = None,
     topology: AFDTopology | None = None,
+    role_agreement: Mapping[str, Any] | None = None,
+    ready_hook: ReadyHook | None = None,
 ) -> AFDConnectorBase:
-    """Construct (not initialise) the connector ``config.connector`` for ``role_rank``."""
+    """Construct (not initialise) the connector ``config.connector`` for ``role_rank``
+    (``role_agreement`` and ``ready_hook``: see :class:`AFDConnectorBase`)."""
     cls = get_connector_class(config.connector)
+    kwargs: dict[str, Any] = {}
+    if role_agreement is not None:
+        kwargs["role_agreement"] = role_agreement
+    if ready_hook is not None:
+        kwargs["ready_hook"] = ready_hook
     return cls(
         config,
         topology,
@@ -392,6 +439,7 @@ def create_connector(
         payload_spec=payload_spec,
         num_layers=num_layers,
         device=device,
+        **kwargs,
     )
 
 

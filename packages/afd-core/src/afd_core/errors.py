@@ -23,6 +23,7 @@ __all__ = [
     "AFDPayloadError",
     "AFDPeerError",
     "AFDProtocolError",
+    "AFDReadyHookError",
     "AFDRegistryError",
     "AFDStartupError",
     "AFDTimeoutError",
@@ -109,6 +110,12 @@ class AFDHandshakeError(AFDConnectorError):
             f"AFD handshake mismatch on field {field!r}: this rank has {local!r}, "
             f"world rank {peer_rank} has {remote!r}"
         )
+
+
+class AFDReadyHookError(AFDConnectorError):
+    """This rank's ready hook (see ``afd_core.connector.ReadyHook``) failed during ``init``; the
+    failure was published, so every peer's ``init`` fails naming this rank. ``__cause__`` holds
+    the hook's exception. Not a transient condition: retrying the same hook fails again."""
 
 
 class AFDTimeoutError(AFDConnectorError, TimeoutError):

@@ -6,11 +6,17 @@ Subcommands:
   rank servers, each holding ``1/F`` of the routed experts), compare greedy outputs token for
   token and print parity, tokens/s, weight bytes and RSS per role, and what each FFN rank
   received per step. Exit status 0 when every prompt is identical, 1 on any mismatch, 2 on a
-  usage error, 3 when a server fails.
+  usage error, 3 when a server fails. With quantized experts (``--ffn-compute layered|mega
+  --expert-quant w8a8|w4a8 [--expert-quant-group-size G]``) exact parity is not expected: it
+  also prints each FFN rank's expert bytes vs bf16, the share of greedy tokens equal to plain
+  fp32 vLLM and the measured error against fp32, and exits 1 when that error exceeds the
+  scheme's tolerance (``afd_models.demo.run.QUANT_ERROR_TOLERANCE``) or was not measured,
+  whatever the tokens.
 * ``afd tiny`` — build (or find in the cache) a tiny checkpoint and print its path.
 * ``afd bench`` — steady-state decode TPOT of AFD against plain vLLM on the tiny Qwen3-MoE
-  (expert-parallel ``1:F`` deployments included, with the bytes they send per step), and the raw
-  gloo round trip (see :mod:`afd_models.demo.bench`); prints tables, writes JSON.
+  (expert-parallel ``1:F`` deployments included, with the bytes they send per step; the
+  quantized FFN computes at ``1:1`` unless ``--no-quantized``), and the raw gloo round trip (see
+  :mod:`afd_models.demo.bench`); prints tables, writes JSON.
 * ``afd serve ...`` — ``vllm serve ...`` (see :mod:`afd_models.vllm_cli`).
 
 ``demo``, ``bench`` and ``tiny`` use :mod:`afd_models.demo`, imported only when they run: ``afd serve`` needs
@@ -34,6 +40,17 @@ EXIT_OK: Final[int] = 0
 EXIT_MISMATCH: Final[int] = 1
 EXIT_USAGE: Final[int] = 2
 EXIT_SERVER_ERROR: Final[int] = 3
+
+#: ``--ffn-compute`` / ``--expert-quant`` choices: afd_core.config's ``FFN_COMPUTE_KINDS`` and
+#: ``EXPERT_QUANT_SCHEMES`` (spelled here: afd_core.config imports torch, the parser must not).
+FFN_COMPUTE_CHOICES: Final[tuple[str, ...]] = ("native", "layered", "mega")
+EXPERT_QUANT_CHOICES: Final[tuple[str, ...]] = ("none", "w8a8", "w4a8")
+#: The ``afd demo`` flag of each FFN-local AFD config field.
+QUANT_FLAGS: Final[dict[str, str]] = {
+    "ffn_compute": "--ffn-compute",
+    "expert_quant": "--expert-quant",
+    "expert_quant_group_size": "--expert-quant-group-size",
+}
 
 #: Packages of afd-models' ``demo`` extra each subcommand needs (a plain install lacks them).
 DEMO_EXTRA_MODULES: Final[dict[str, tuple[str, ...]]] = {
@@ -99,12 +116,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="engine batch limit (default: vLLM's; 1 for DeepSeek on CPU, see README)",
     )
     demo.add_argument("--startup-timeout", type=float, default=900.0, help="seconds per engine")
+    demo.add_argument(
+        "--ffn-compute",
+        choices=FFN_COMPUTE_CHOICES,
+        default="native",
+        help="how the FFN ranks compute their experts: vLLM's FusedMoE (native) or "
+        "afd-compute-npu's layered / mega on quantized experts (needs --expert-quant)",
+    )
+    demo.add_argument(
+        "--expert-quant",
+        choices=EXPERT_QUANT_CHOICES,
+        default="none",
+        help="quantize the FFN ranks' routed experts at load (w8a8 / w4a8; needs --ffn-compute "
+        "layered or mega); the demo then checks the measured error against fp32, not parity",
+    )
+    demo.add_argument(
+        "--expert-quant-group-size",
+        type=int,
+        default=0,
+        help="W4A8 scale group (input rows per scale); 0 = per channel",
+    )
 
     bench = sub.add_parser(
         "bench",
         help="steady-state decode TPOT of AFD vs plain vLLM (tiny Qwen3-MoE)",
         description="Measure TPOT of plain vLLM and of AFD (gate on FFN: 1:1 at each batch size, "
-        "2:1 at the largest; gate on Attention: 1:F for each --ffn-ranks F at each batch size, "
+        "2:1 at the largest, and 1:1 with the FFN rank's quantized computes unless "
+        "--no-quantized; gate on Attention: 1:F for each --ffn-ranks F at each batch size, "
         "with the bytes sent per step) on the tiny Qwen3-MoE, and the raw gloo round trip of a "
         "hidden-state message.",
     )
@@ -114,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="1,2",
         help="comma-separated FFN rank counts of the gate-on-Attention 1:F deployments (1, the "
         "bytes-per-step reference, always runs)",
+    )
+    bench.add_argument(
+        "--quantized",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure the quantized FFN computes at 1:1, gate on FFN (layered w8a8, mega "
+        "w4a8 per channel)",
     )
     bench.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bench.add_argument("--repeats", type=int, default=3, help="timed batches per row")
@@ -170,6 +215,7 @@ def demo_config_from_namespace(
             f"--ffn-ranks={ns.ffn_ranks!r} needs --gate attention (expert parallelism: the FFN "
             "ranks hold disjoint experts, so the router gate runs on the Attention role)"
         )
+    _check_quant_flags(parser, ns)
     dtype = ns.dtype if ns.dtype is not None else ("float32" if ns.model is None else None)
     options = EngineOptions(
         dtype=dtype,
@@ -191,7 +237,30 @@ def demo_config_from_namespace(
         log_dir=ns.log_dir,
         cache_dir=ns.cache_dir,
         options=options,
+        ffn_compute=ns.ffn_compute,
+        expert_quant=ns.expert_quant,
+        expert_quant_group_size=ns.expert_quant_group_size,
     )
+
+
+def _check_quant_flags(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> None:
+    """``--ffn-compute`` / ``--expert-quant`` / ``--expert-quant-group-size`` through afd-core's
+    own validation of the FFN role's fields; an error names the flag of the rejected field."""
+    from afd_core.config import AFDConfig
+    from afd_core.errors import AFDConfigError
+
+    fields = {
+        "ffn_compute": ns.ffn_compute,
+        "expert_quant": ns.expert_quant,
+        "expert_quant_group_size": ns.expert_quant_group_size,
+    }
+    try:
+        AFDConfig.from_mapping({"role": "ffn", **fields})
+    except AFDConfigError as e:
+        flag = QUANT_FLAGS.get(e.field)
+        if flag is None:  # not one of the three (cannot happen with these keys)
+            parser.error(f"--ffn-compute/--expert-quant: {e}")
+        parser.error(f"{flag}={fields[e.field]!r}: {e}")
 
 
 def missing_demo_modules(command: str) -> list[str]:
@@ -233,6 +302,7 @@ def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             ffn_ranks=ffn_ranks,
             max_tokens=ns.max_tokens,
             repeats=ns.repeats,
+            quantized=ns.quantized,
             out=ns.out,
             log_dir=ns.log_dir,
             cache_dir=ns.cache_dir,

@@ -3,8 +3,8 @@
 The FFN service loop calls an :class:`FFNCompute` once per (step, MoE layer). The parity path,
 :class:`NativeFusedMoECompute`, runs the model's own vLLM ``FusedMoE`` (MoERunner) inside a vLLM
 forward context, exactly the op plain vLLM runs. afd-compute-npu's Layered / Mega compute plugs in
-here next: implement :class:`FFNCompute` and add its name (one of
-:data:`afd_core.config.FFN_COMPUTE_KINDS`) to :data:`FFN_COMPUTE_NAMES`.
+here as :class:`afd_runtime.quantized.QuantizedFFNCompute` (``ffn_compute: layered | mega`` on
+the model's quantized experts).
 
 The service loop enters :meth:`NativeFusedMoECompute.step` once per step (vLLM's forward context
 costs tens of microseconds to build, more than a small batch's expert pass on a CPU), and every
@@ -29,7 +29,7 @@ from afd_core.errors import AFDConfigError
 from afd_core.metadata import AFDPayloadSpec
 
 #: ``AFDConfig.ffn_compute`` values this runtime serves.
-FFN_COMPUTE_NAMES: Final[tuple[str, ...]] = ("native",)
+FFN_COMPUTE_NAMES: Final[tuple[str, ...]] = ("native", "layered", "mega")
 
 
 @runtime_checkable
@@ -129,31 +129,43 @@ class NativeFusedMoECompute:
 
 
 def ffn_compute_name(config: AFDConfig) -> str:
-    """``config.ffn_compute`` when this runtime serves it, else :class:`AFDConfigError`.
-
-    The config parser already rejects unknown names (naming ``ffn_compute`` and the kinds);
-    afd-compute-npu's ``layered`` / ``mega`` are valid kinds that serving does not run yet.
-    """
+    """``config.ffn_compute`` when this runtime serves it, else :class:`AFDConfigError`."""
     name = config.ffn_compute
     if name not in FFN_COMPUTE_NAMES:
-        raise AFDConfigError(
-            "ffn_compute",
-            name,
-            f"one of {list(FFN_COMPUTE_NAMES)} (afd-compute-npu's {name!r} compute is not wired "
-            "into serving yet)",
-        )
+        raise AFDConfigError("ffn_compute", name, f"one of {list(FFN_COMPUTE_NAMES)}")
     return name
 
 
 def select_ffn_compute(
-    config: AFDConfig, model: AFDFFNModel, step_context: StepContext
+    config: AFDConfig,
+    model: AFDFFNModel,
+    step_context: StepContext,
+    *,
+    max_tokens: int = 8192,
+    ffn_rank: int = 0,
+    device: torch.device | str = "cpu",
 ) -> FFNCompute:
-    """Pick the FFN compute for ``config`` (validated before anything starts)."""
+    """Pick the FFN compute for ``config`` (validated before anything starts).
+
+    ``native``: the model's vLLM FusedMoE (:class:`NativeFusedMoECompute`). ``layered`` /
+    ``mega``: afd-compute-npu on the model's quantized experts
+    (:class:`afd_runtime.quantized.QuantizedFFNCompute`; ``max_tokens`` sizes its workspace).
+    """
     name = ffn_compute_name(config)
     if not isinstance(model, AFDFFNModel):
         raise TypeError(
             f"FFN model {type(model).__qualname__} does not implement AFDFFNModel "
             "(afd_moe_layer_indices, afd_ffn_forward)"
         )
-    assert name == "native"
-    return NativeFusedMoECompute(model, step_context)
+    if name == "native":
+        return NativeFusedMoECompute(model, step_context)
+    from afd_runtime.quantized import AFDQuantizedFFNModel, QuantizedFFNCompute
+
+    if not isinstance(model, AFDQuantizedFFNModel):
+        raise AFDConfigError(
+            "expert_quant",
+            config.expert_quant,
+            f"a model that quantized its experts at load: {type(model).__qualname__} has no "
+            "afd_quantized_weights / afd_route (is expert_quant set on this FFN role?)",
+        )
+    return QuantizedFFNCompute(name, model, max_tokens=max_tokens, ffn_rank=ffn_rank, device=device)

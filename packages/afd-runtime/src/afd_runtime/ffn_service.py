@@ -34,7 +34,8 @@ Lifecycle and failures:
   appears (each attempt bounded by ``startup_timeout_s``); the FFN outlives its Attention
   deployment: a shutdown control message (the Attention role's goodbye) or a lost peer closes
   the connector and the loop waits for the next deployment.
-* A handshake disagreement (different AFD settings or model shapes) and a protocol violation are
+* A handshake disagreement (different AFD settings, model shapes or, between FFN ranks,
+  quantization geometry), a failing ready hook (a Mega bind) and a protocol violation are
   fatal, and so is a compute error: it is published through the connector
   (:meth:`afd_core.connector.AFDConnectorBase.abort`), so the Attention ranks' waits fail at once
   with this rank's error text, and then re-raised by :meth:`FFNService.raise_if_failed`.
@@ -227,7 +228,8 @@ class FFNService:
         """Initialise a connector with the next Attention deployment; ``None`` when stopped.
 
         Waiting is unbounded (an FFN may start first or outlive its Attention deployment);
-        a disagreement is fatal."""
+        a disagreement and a failing ready hook (a Mega bind, ``AFDReadyHookError``) are fatal:
+        retrying could not change them."""
         while not self._stop.is_set():
             connector = self._factory()
             self._idle.set()

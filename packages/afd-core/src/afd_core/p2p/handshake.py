@@ -3,6 +3,8 @@
 Every field must match on every rank of the world; the first difference raises
 :class:`AFDHandshakeError` naming it (the protocol version first, then each config agreement
 field, then the rest, the payload spec field by field), so a mismatch fails on both sides.
+``role_agreement`` (e.g. the FFN ranks' quantization geometry) is compared only between ranks of
+the same role (``role_agreement.<key>``).
 """
 
 from __future__ import annotations
@@ -25,9 +27,12 @@ def _handshake_fields(
     payload_spec: AFDPayloadSpec,
     num_layers: int,
     device: torch.device,
+    role_agreement: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The handshake publication of a rank with this config, topology, spec and device."""
     return {
+        "role": config.role.value,
+        "role_agreement": dict(role_agreement or {}),
         "protocol_version": PROTOCOL_VERSION,
         "config": config.agreement_fields(),
         "config_hash": config.agreement_hash(),
@@ -72,3 +77,14 @@ def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer:
                             peer,
                         )
             raise AFDHandshakeError(key, mine[key], theirs.get(key), peer)
+    if theirs.get("role") == mine["role"]:
+        # Same role: their own agreement too (e.g. FFN ranks' quantization geometry).
+        their_role = theirs.get("role_agreement") or {}
+        for key in sorted(set(mine["role_agreement"]) | set(their_role)):
+            if mine["role_agreement"].get(key) != their_role.get(key):
+                raise AFDHandshakeError(
+                    f"role_agreement.{key}",
+                    mine["role_agreement"].get(key),
+                    their_role.get(key),
+                    peer,
+                )

@@ -17,6 +17,7 @@ import json
 import math
 import time
 import weakref
+from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any, NoReturn
 
@@ -25,13 +26,14 @@ import torch.distributed as dist
 
 from afd_core.buffers import RecvBufferPool
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector import AFDConnectorBase, AFDTransferHandle
+from afd_core.connector import AFDConnectorBase, AFDGroupInfo, AFDTransferHandle, ReadyHook
 from afd_core.errors import (
     AFDConfigError,
     AFDConnectorError,
     AFDNotInitializedError,
     AFDPayloadError,
     AFDPeerError,
+    AFDReadyHookError,
     AFDStartupError,
     AFDTimeoutError,
 )
@@ -56,6 +58,8 @@ class _P2PLifecycle(AFDConnectorBase):
         payload_spec: AFDPayloadSpec,
         num_layers: int,
         device: torch.device | str | None = None,
+        role_agreement: Mapping[str, Any] | None = None,
+        ready_hook: ReadyHook | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -64,6 +68,8 @@ class _P2PLifecycle(AFDConnectorBase):
             payload_spec=payload_spec,
             num_layers=num_layers,
             device=device,
+            role_agreement=role_agreement,
+            ready_hook=ready_hook,
         )
         self.backend = backend_for_device(self.device)
         self._device_type = self.device.type
@@ -167,9 +173,30 @@ class _P2PLifecycle(AFDConnectorBase):
         return self._served
 
     def handshake_fields(self) -> dict[str, Any]:
-        """What this rank publishes at init; every field must match on every rank."""
+        """What this rank publishes at init; every field must match on every rank (``role``
+        and ``role_agreement`` only between ranks of the same role)."""
         return _handshake_fields(
-            self.config, self.topology, self.payload_spec, self.num_layers, self.device
+            self.config,
+            self.topology,
+            self.payload_spec,
+            self.num_layers,
+            self.device,
+            self.role_agreement,
+        )
+
+    def group_info(self) -> AFDGroupInfo:
+        """The data group of this initialisation (valid from the ready hook on).
+
+        Name ``afd-p2p/<host>:<port>/g<generation>/data``: unique per store server and
+        initialisation of this world rank."""
+        if self._data_pg is None:
+            raise AFDNotInitializedError("AFD P2P connector has no data group (group_info)")
+        peers = self._ffn_world_ranks if self.role is AFDRole.ATTENTION else self._served
+        return AFDGroupInfo(
+            name=f"afd-p2p/{self.config.host}:{self.config.port}/g{self._generation}/data",
+            world_size=self.topology.world_size,
+            rank=self.world_rank,
+            peer_ranks=tuple(peers),
         )
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -224,6 +251,16 @@ class _P2PLifecycle(AFDConnectorBase):
                 self.topology.world_size,
                 self._timeout,
             )
+            if self.ready_hook is not None:
+                stage = "ready_hook"
+                try:
+                    self.ready_hook(self)
+                except Exception as hook_err:
+                    raise AFDReadyHookError(
+                        f"AFD world rank {self.world_rank} ready hook failed: "
+                        f"{type(hook_err).__name__}: {hook_err}"
+                    ) from hook_err
+            stage = "ready"
             coord.barrier("ready", timeout_s=self._remaining(deadline))
         except BaseException as err:
             if self._coordinator is not None and not isinstance(

@@ -17,14 +17,16 @@ from afd_core.metadata import AFDControlMessage
 
 __all__ = ["CONTROL_WORDS", "PROTOCOL_VERSION"]
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Version of the P2P wire protocol (handshake, tags, message layout, which receives are posted
 ahead: the Attention side mirrors the FFN side's rule).
 
 2: the ``check_sequence`` header has a tag per stage (receives may be posted ahead).
 3: the FFN side's receive-ahead window (``recv_ahead_bytes``); nothing ahead off gloo.
 4: expert parallelism (``num_ffn_ranks > 1``): every Attention rank talks to every FFN rank;
-   per layer and stage a ``(layer, stage, tokens)`` header on the sequence tag, then the rows."""
+   per layer and stage a ``(layer, stage, tokens)`` header on the sequence tag, then the rows.
+5: the handshake carries ``role`` and ``role_agreement``; init runs the ready hook before the
+   ``ready`` barrier."""
 
 CONTROL_WORDS = 64
 """Fixed length (int64 words) of a control message on the wire (room for 59 stages)."""

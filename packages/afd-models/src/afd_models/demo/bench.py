@@ -11,7 +11,13 @@ One run measures, on this host:
   holds ``1/F`` of the routed experts; F = 1 always runs as the reference), and the payload bytes
   the Attention role sent per step: the sum over the FFN ranks of each rank's received
   ``bytes / steps`` (its ``AFD FFN rank=<f> stats ...`` line), over the deployment's whole run
-  (warm-up rounds and every batch size: the same requests for every F), with its ratio to F = 1.
+  (warm-up rounds and every batch size: the same requests for every F), with its ratio to F = 1;
+* unless :attr:`BenchConfig.quantized` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
+  the FFN rank's quantized computes (:data:`QUANTIZED_SETUPS`: Layered on W8A8 experts, Mega on
+  W4A8 per-channel experts) at each batch size, against the native fp32 ``afd 1:1`` row and
+  plain vLLM of the same batch size, with the expert bytes the FFN rank reported against the
+  same experts in bf16 (its ``AFD FFN rank=<f> quantized ...`` line; its absence fails the run:
+  the rank did not compute quantized).
 
 TPOT of one request is ``(t_last - t_first) / (max_tokens - 1)`` over its streamed chunks (the
 decode phase only: prefill is before the first chunk); ``batch`` requests start together and run
@@ -44,9 +50,11 @@ from afd_models.demo.servers import (
     DEFAULT_ENGINE_ENV,
     EngineOptions,
     FFNStats,
+    QuantReport,
     VLLMServer,
     afd_servers,
     parse_ffn_stats,
+    parse_quantized,
     plain_server,
     stop_all,
     wait_until_healthy,
@@ -72,6 +80,43 @@ TARGET_OVERHEAD_RT: Final[float] = 3.0
 
 
 @dataclass(frozen=True)
+class QuantizedSetup:
+    """One quantized FFN compute of the 1:1 (gate on FFN) deployment: the FFN-local AFD fields."""
+
+    ffn_compute: str
+    expert_quant: str
+    group_size: int = 0
+
+    @property
+    def scheme(self) -> str:
+        """afd-weights' scheme name: ``w8a8``, ``w4a8_per_channel`` or ``w4a8_per_group``."""
+        if self.expert_quant != "w4a8":
+            return self.expert_quant
+        return "w4a8_per_group" if self.group_size else "w4a8_per_channel"
+
+    @property
+    def setup(self) -> str:
+        """``afd 1:1 <compute> <scheme>`` (``... g<G>`` for per-group W4A8)."""
+        name = f"{setup_name(1, 1, gate_on_attention=False)} {self.ffn_compute} {self.scheme}"
+        return f"{name} g{self.group_size}" if self.group_size else name
+
+    def ffn_extra(self) -> dict[str, Any]:
+        """The FFN rank's FFN-local ``additional_config["afd"]`` fields."""
+        return {
+            "ffn_compute": self.ffn_compute,
+            "expert_quant": self.expert_quant,
+            "expert_quant_group_size": self.group_size,
+        }
+
+
+#: The quantized computes measured at 1:1 (gate on FFN) when :attr:`BenchConfig.quantized`.
+QUANTIZED_SETUPS: Final[tuple[QuantizedSetup, ...]] = (
+    QuantizedSetup("layered", "w8a8"),
+    QuantizedSetup("mega", "w4a8"),
+)
+
+
+@dataclass(frozen=True)
 class BenchConfig:
     """What ``afd bench`` runs (see the module docstring)."""
 
@@ -79,6 +124,7 @@ class BenchConfig:
     ffn_ranks: tuple[int, ...] = FFN_RANKS
     max_tokens: int = 48
     repeats: int = 3
+    quantized: bool = True
     out: Path | None = None
     log_dir: Path = Path("afd-bench-logs")
     cache_dir: Path | None = None
@@ -127,6 +173,30 @@ class ComparedRow:
     @property
     def meets_targets(self) -> bool:
         return self.ratio <= TARGET_RATIO and self.overhead_in_round_trips <= TARGET_OVERHEAD_RT
+
+
+@dataclass(frozen=True)
+class QuantizedRow:
+    """A quantized-compute 1:1 row against the native fp32 ``afd 1:1`` row and plain vLLM at the
+    same batch size (times in milliseconds); ``expert_bytes`` / ``bf16_bytes`` are what the FFN
+    rank reported (its quantized routed experts, the same experts in bf16)."""
+
+    setup: str
+    ffn_compute: str
+    scheme: str
+    group_size: int
+    batch: int
+    tpot_ms: float
+    tpot_native_ms: float
+    ratio_vs_native: float
+    tpot_plain_ms: float
+    ratio_vs_plain: float
+    expert_bytes: int
+    bf16_bytes: int
+
+    @property
+    def bytes_ratio_vs_bf16(self) -> float:
+        return self.expert_bytes / self.bf16_bytes if self.bf16_bytes else 0.0
 
 
 @dataclass(frozen=True)
@@ -363,6 +433,58 @@ def render_traffic(rows: Sequence[TrafficRow]) -> str:
     return "\n".join(lines)
 
 
+def quantized_rows(
+    setup: QuantizedSetup,
+    rows: Sequence[TPOTRow],
+    native: Sequence[TPOTRow],
+    plain: Sequence[TPOTRow],
+    report: QuantReport | None,
+) -> list[QuantizedRow]:
+    """``setup``'s TPOT rows against the native ``afd 1:1`` and the plain rows of the same batch
+    size; ``report`` is the FFN rank's quantized-compute line. Raises :class:`RuntimeError` when
+    that line is missing (the FFN rank did not serve the quantized compute)."""
+    if report is None:
+        raise RuntimeError(f"{setup.setup}: no quantized-compute line from FFN rank 0")
+    native_by_batch = {r.batch: r for r in native}
+    plain_by_batch = {r.batch: r for r in plain}
+    out = []
+    for r in rows:
+        n, p = native_by_batch[r.batch], plain_by_batch[r.batch]
+        out.append(
+            QuantizedRow(
+                setup.setup,
+                setup.ffn_compute,
+                setup.scheme,
+                setup.group_size,
+                r.batch,
+                r.tpot_ms,
+                n.tpot_ms,
+                r.tpot_ms / n.tpot_ms,
+                p.tpot_ms,
+                r.tpot_ms / p.tpot_ms,
+                report.expert_bytes,
+                report.bf16_bytes,
+            )
+        )
+    return out
+
+
+def render_quantized(rows: Sequence[QuantizedRow]) -> str:
+    """The quantized-compute table (markdown)."""
+    head = (
+        "| setup | batch | TPOT plain (ms) | TPOT AFD native (ms) | TPOT quantized (ms) | "
+        "vs AFD native | vs plain | expert bytes (vs bf16) |"
+    )
+    lines = [head, "|" + "---|" * 8]
+    for r in rows:
+        lines.append(
+            f"| {r.setup} | {r.batch} | {r.tpot_plain_ms:.2f} | {r.tpot_native_ms:.2f} | "
+            f"{r.tpot_ms:.2f} | {r.ratio_vs_native:.2f} | {r.ratio_vs_plain:.2f} | "
+            f"{r.expert_bytes} ({r.bytes_ratio_vs_bf16:.3f}) |"
+        )
+    return "\n".join(lines)
+
+
 def render(rows: Sequence[ComparedRow]) -> str:
     """The result table (markdown)."""
     head = (
@@ -421,6 +543,28 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         )
         afd_rows += _run_setup([attention, *ffns], attention, batches, cfg, setup)
 
+    # Quantized FFN computes at 1:1 (gate on FFN), against the native afd 1:1 rows above.
+    quantized: list[QuantizedRow] = []
+    quantized_tpot: list[TPOTRow] = []
+    native = [r for r in afd_rows if r.setup == setup_name(1, 1, gate_on_attention=False)]
+    plain_ref = [r for r in plain_rows if r.setup == "plain"]
+    for q in QUANTIZED_SETUPS if cfg.quantized else ():
+        progress(q.setup)
+        attention, ffns = afd_servers(
+            model,
+            log_dir=log_dir,
+            options=_options(cfg, PLACEMENT_ENV),
+            num_attention_ranks=1,
+            gate_on_attention=False,
+            ffn_extra=q.ffn_extra(),
+            prefix=f"bench-1a1f-{q.ffn_compute}-{q.scheme}".replace("_", "-"),
+            progress=progress,
+        )
+        rows_q = _run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, q.setup)
+        quantized_tpot += rows_q
+        report = parse_quantized(ffns[0].log_text()).get(0)
+        quantized += quantized_rows(q, rows_q, native, plain_ref, report)
+
     # Gate on Attention, 1:F; F = 1 first: the bytes-per-step reference.
     traffic: list[TrafficRow] = []
     for num_ffn_ranks in cfg.gate_on_attention_ffn_ranks:
@@ -441,7 +585,7 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         reference = traffic[0].bytes_per_step if traffic else None
         traffic.append(traffic_row(setup, stats, reference))
 
-    rows = compare([r for r in plain_rows if r.setup == "plain"], afd_rows, round_trip, layers)
+    rows = compare(plain_ref, afd_rows, round_trip, layers)
     result = {
         "model": f"tiny qwen3_moe (hidden {hidden}, {layers} MoE layers)",
         "max_tokens": cfg.max_tokens,
@@ -450,9 +594,12 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         "env": dict(PLACEMENT_ENV),
         "default_threads_env": dict(DEFAULT_ENGINE_ENV),
         "raw_round_trip_ms": {str(b): v for b, v in round_trip.items()},
-        "tpot": [asdict(r) for r in (*plain_rows, *afd_rows)],
+        "tpot": [asdict(r) for r in (*plain_rows, *afd_rows, *quantized_tpot)],
         "compared": [{**asdict(r), "meets_targets": r.meets_targets} for r in rows],
         "traffic": [asdict(r) for r in traffic],
+        "quantized": [
+            {**asdict(r), "bytes_ratio_vs_bf16": r.bytes_ratio_vs_bf16} for r in quantized
+        ],
         "targets": {"ratio_max": TARGET_RATIO, "overhead_round_trips_max": TARGET_OVERHEAD_RT},
     }
     if cfg.out is not None:
@@ -460,6 +607,8 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         cfg.out.write_text(json.dumps(result, indent=2) + "\n")
     progress(render(rows))
     progress(render_traffic(traffic))
+    if quantized:
+        progress(render_quantized(quantized))
     default = {r.batch: r.tpot_ms for r in plain_rows if r.setup == DEFAULT_THREADS_SETUP}
     progress(
         "plain with vLLM's default CPU threading (reference): "

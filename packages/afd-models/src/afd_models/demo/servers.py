@@ -19,12 +19,14 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import functools
 import importlib.metadata
 import json
 import os
 import re
 import signal
 import socket
+import string
 import subprocess
 import sys
 import time
@@ -144,6 +146,7 @@ def afd_config(
     gate_on_attention: bool,
     ffn_rank: int = 0,
     extra: Mapping[str, Any] | None = None,
+    ffn_extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The ``additional_config["afd"]`` mapping for one role (validated before use).
 
@@ -152,6 +155,11 @@ def afd_config(
     for the Attention role). ``num_ffn_ranks > 1`` (expert parallelism) needs
     ``gate_on_attention``: the FFN ranks hold disjoint experts, so the router runs before the
     dispatch, on the Attention role.
+
+    ``extra`` keys go into both roles' mapping, ``ffn_extra`` keys into the FFN role's only (the
+    FFN-local fields, e.g. ``ffn_compute`` / ``expert_quant``; ignored for the Attention role).
+    Neither may override a core field (``role``, ``port``, the rank counts, the gate,
+    ``ffn_rank``), and a key may not be in both.
     """
     if role not in ROLES:
         raise ValueError(f"role={role!r} is not one of {ROLES}")
@@ -184,10 +192,17 @@ def afd_config(
     }
     if role == "ffn":
         cfg["ffn_rank"] = ffn_rank
-    for key, value in (extra or {}).items():
-        if key in cfg or key == "ffn_rank":
-            raise ValueError(f"extra key {key!r} would override a core AFD field")
-        cfg[key] = value
+    core = {*cfg, "ffn_rank"}
+    for name, keys in (("extra", extra or {}), ("ffn_extra", ffn_extra or {})):
+        for key in keys:
+            if key in core:
+                raise ValueError(f"{name} key {key!r} would override a core AFD field")
+    both = sorted(set(extra or {}) & set(ffn_extra or {}))
+    if both:
+        raise ValueError(f"ffn_extra key {both[0]!r} is also an extra key")
+    cfg.update(extra or {})
+    if role == "ffn":
+        cfg.update(ffn_extra or {})
     return cfg
 
 
@@ -200,13 +215,15 @@ def afd_role_args(
     gate_on_attention: bool,
     ffn_rank: int = 0,
     extra: Mapping[str, Any] | None = None,
+    ffn_extra: Mapping[str, Any] | None = None,
 ) -> list[str]:
     """The ``vllm serve`` arguments that make a server an AFD role.
 
     This is the single definition of the role launch: ``--additional-config '{"afd": {...}}'``
     plus ``--data-parallel-size A --api-server-count 1`` for the Attention role when ``A > 1``
     (one Attention engine core per rank behind one API server, all connected to the FFN role on
-    ``afd_port``). An FFN role server is one FFN rank (``ffn_rank``, see :func:`afd_config`).
+    ``afd_port``). An FFN role server is one FFN rank (``ffn_rank``, see :func:`afd_config`);
+    ``ffn_extra`` reaches the FFN role's mapping only.
     """
     cfg = afd_config(
         role,
@@ -216,6 +233,7 @@ def afd_role_args(
         gate_on_attention=gate_on_attention,
         ffn_rank=ffn_rank,
         extra=extra,
+        ffn_extra=ffn_extra,
     )
     args = ["--additional-config", json.dumps({"afd": cfg}, sort_keys=True)]
     if role == "attention" and num_attention_ranks > 1:
@@ -605,6 +623,8 @@ def afd_servers(
     gate_on_attention: bool,
     num_ffn_ranks: int = 1,
     afd_extra: Mapping[str, Any] | None = None,
+    ffn_extra: Mapping[str, Any] | None = None,
+    ffn_env: Mapping[str, str] | None = None,
     prefix: str = "afd",
     progress: Progress | None = None,
 ) -> tuple[VLLMServer, tuple[VLLMServer, ...]]:
@@ -615,12 +635,18 @@ def afd_servers(
     else ``<prefix>-ffn<i>``); the Attention server is ``<prefix>-attention``. Start them all,
     then :func:`wait_until_healthy` on all; stop the Attention role first
     (``stop_all([attention, *ffns])``).
+
+    ``afd_extra`` goes into every role's AFD mapping, ``ffn_extra`` into the FFN ranks' only (see
+    :func:`afd_config`); ``ffn_env`` is overlaid on every FFN server's environment (after
+    ``options.env``), never the Attention server's.
     """
     if num_ffn_ranks < 1:
         raise ValueError(f"num_ffn_ranks={num_ffn_ranks!r} must be >= 1")
     afd_port, attention_port, *ffn_ports = free_ports(2 + num_ffn_ranks)
     ffn_role: AfdRole = "ffn"
-    launches: list[tuple[str, int, list[str]]] = [
+    attention_env = dict(options.env)
+    ffn_server_env = {**options.env, **(ffn_env or {})}
+    launches: list[tuple[str, int, list[str], dict[str, str]]] = [
         (
             f"{prefix}-attention",
             attention_port,
@@ -631,7 +657,9 @@ def afd_servers(
                 num_ffn_ranks=num_ffn_ranks,
                 gate_on_attention=gate_on_attention,
                 extra=afd_extra,
+                ffn_extra=ffn_extra,
             ),
+            attention_env,
         )
     ]
     for rank, port in enumerate(ffn_ports):
@@ -643,10 +671,12 @@ def afd_servers(
             gate_on_attention=gate_on_attention,
             ffn_rank=rank,
             extra=afd_extra,
+            ffn_extra=ffn_extra,
         )
-        launches.append((ffn_server_name(prefix, rank, num_ffn_ranks), port, role_args))
+        name = ffn_server_name(prefix, rank, num_ffn_ranks)
+        launches.append((name, port, role_args, dict(ffn_server_env)))
     servers = []
-    for name, port, role_args in launches:
+    for name, port, role_args, env in launches:
         argv = vllm_serve_command(
             model,
             port,
@@ -658,7 +688,7 @@ def afd_servers(
             argv=tuple(argv),
             port=port,
             log_path=Path(log_dir) / f"{name}.log",
-            env=dict(options.env),
+            env=env,
             startup_timeout_s=options.startup_timeout_s,
         )
         servers.append(VLLMServer(cfg, progress))
@@ -732,6 +762,98 @@ def parse_ffn_stats(log_text: str) -> dict[int, FFNStats]:
             peers=int(m["peers"]),
             layers=int(m["layers"]),
         )
+    return out
+
+
+#: Patterns of the fields of afd-runtime's quantized-compute lines (any other field: ``\S+``).
+_FIELD_PATTERNS: Final[Mapping[str, str]] = {
+    **dict.fromkeys(("rank", "layer", "calls", "group", "nbytes", "bf16", "layers"), r"\d+"),
+    "kind": r"[A-Za-z_][A-Za-z0-9_]*",
+    "scheme": r"[A-Za-z_][A-Za-z0-9_]*",
+    "digest": r"[0-9A-Fa-f]+",
+    "err": r"[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|inf|nan)",
+}
+_ANY_FIELD: Final[str] = r"\S+"
+
+
+def _format_regex(fmt: str) -> re.Pattern[str]:
+    """A regex matching the lines ``fmt.format(...)`` prints: the literal text of ``fmt``
+    escaped, each ``{field}`` (format spec ignored) a named group of its pattern."""
+    parts = []
+    for literal, name, _spec, _conv in string.Formatter().parse(fmt):
+        parts.append(re.escape(literal))
+        if name is not None:
+            pattern = _FIELD_PATTERNS.get(name, _ANY_FIELD)
+            parts.append(f"(?P<{name}>{pattern})")
+    return re.compile("".join(parts))
+
+
+@functools.cache
+def _quantized_line_regexes() -> tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]]:
+    """``(QUANT_FORMAT, ERROR_FORMAT, SIGNATURE_FORMAT)`` as regexes; imported on first use
+    (afd_runtime.quantized brings torch, which the rest of the harness does not need)."""
+    from afd_runtime.quantized import ERROR_FORMAT, QUANT_FORMAT, SIGNATURE_FORMAT
+
+    return _format_regex(QUANT_FORMAT), _format_regex(ERROR_FORMAT), _format_regex(SIGNATURE_FORMAT)
+
+
+@dataclass(frozen=True)
+class QuantReport:
+    """What an FFN rank with a quantized compute printed at startup
+    (``afd_runtime.quantized.QUANT_FORMAT``): its compute (``layered`` / ``mega``), the scheme
+    (``w8a8``, ``w4a8_per_channel``, ``w4a8_per_group``), the group size (0: per channel), the
+    bytes of its quantized routed experts, the same experts' bytes in bf16, and its MoE layers."""
+
+    rank: int
+    compute: str
+    scheme: str
+    group_size: int
+    expert_bytes: int
+    bf16_bytes: int
+    layers: int
+
+    @property
+    def ratio_vs_bf16(self) -> float:
+        """``expert_bytes / bf16_bytes`` (0.0 when the rank holds no experts)."""
+        return self.expert_bytes / self.bf16_bytes if self.bf16_bytes else 0.0
+
+
+def parse_quantized(log_text: str) -> dict[int, QuantReport]:
+    """The quantized-compute line of each FFN rank in ``log_text`` (the last one per rank)."""
+    quant_re = _quantized_line_regexes()[0]
+    out: dict[int, QuantReport] = {}
+    for m in quant_re.finditer(log_text):
+        rank = int(m["rank"])
+        out[rank] = QuantReport(
+            rank=rank,
+            compute=m["kind"],
+            scheme=m["scheme"],
+            group_size=int(m["group"]),
+            expert_bytes=int(m["nbytes"]),
+            bf16_bytes=int(m["bf16"]),
+            layers=int(m["layers"]),
+        )
+    return out
+
+
+def parse_quant_error(log_text: str) -> dict[int, tuple[int, int, float]]:
+    """``rank -> (layer, calls, max_rel)`` from each FFN rank's last ``quant_error`` line
+    (``afd_runtime.quantized.ERROR_FORMAT``, printed with ``AFD_REPORT_QUANT_ERROR=1`` whenever
+    the max relative error of the measured layer grows, so the last line is the run's max)."""
+    error_re = _quantized_line_regexes()[1]
+    out: dict[int, tuple[int, int, float]] = {}
+    for m in error_re.finditer(log_text):
+        out[int(m["rank"])] = (int(m["layer"]), int(m["calls"]), float(m["err"]))
+    return out
+
+
+def parse_layer_signatures(log_text: str) -> dict[int, dict[int, str]]:
+    """``rank -> layer -> digest`` from the per-layer compute signature lines
+    (``afd_runtime.quantized.SIGNATURE_FORMAT``; a later line of a layer replaces an earlier)."""
+    signature_re = _quantized_line_regexes()[2]
+    out: dict[int, dict[int, str]] = {}
+    for m in signature_re.finditer(log_text):
+        out.setdefault(int(m["rank"]), {})[int(m["layer"])] = m["digest"]
     return out
 
 

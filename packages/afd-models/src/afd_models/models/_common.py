@@ -33,11 +33,18 @@ from afd_core.config import AFDConfig, AFDRole, parse_afd_config
 from afd_core.expert_map import ExpertMap
 from afd_core.metadata import AFDPayloadSpec
 from afd_core.topology import AFDTopology
-from afd_weights import param_bytes
+from afd_weights import QuantScheme, param_bytes
 from torch import nn
 
 from afd_models._weight_utils import Classifier, FilterStats, filter_role_weights
 from afd_models.models import _remote_op as _remote_op  # registers afd::remote_ffn
+from afd_models.models._quantized import (
+    float_moe,
+    quant_scheme,
+    quantize_experts,
+    report_error_requested,
+    route,
+)
 
 
 def afd_config_of(vllm_config: Any) -> AFDConfig | None:
@@ -276,9 +283,17 @@ class AFDFFNCausalLM(nn.Module):
         prefix: str = "",
         weights_mapper: Any = None,
         local_experts: tuple[int, ...] | None = None,
+        quant: tuple[QuantScheme, int] | None = None,
+        router: Any = None,
+        compute_top_k: int | None = None,
     ) -> None:
         super().__init__()
         self._local_experts = local_experts
+        # Quantized experts (expert_quant != none): (scheme, group size), the model's router
+        # (one FFN rank; expert parallel routes on Attention) and the compute's top-k width.
+        self._quant = quant
+        self._router = router
+        self.afd_compute_top_k = compute_top_k
         self.afd_moe_layer_indices: tuple[int, ...] = tuple(moe_layer_indices)
         self.afd_payload_spec = payload_spec
         wanted = set(self.afd_moe_layer_indices)
@@ -319,8 +334,44 @@ class AFDFFNCausalLM(nn.Module):
         )
         loader = AutoWeightsLoader(self)
         loaded = set(loader.load_weights(kept, mapper=self._mapper))
+        if self._quant is not None:
+            # Before vLLM's post-load processing (which would repack the float experts).
+            blocks = {i: self.model.layers[i].mlp for i in self.afd_moe_layer_indices}
+            first = self.afd_moe_layer_indices[0] if report_error_requested() else None
+            self.afd_quantized_weights, self.afd_float_reference = quantize_experts(
+                blocks, *self._quant, keep_float_layer=first
+            )
+            self.afd_param_bytes = param_bytes(self) + self.afd_quantized_weights.nbytes()
+            return loaded
         self.afd_param_bytes = param_bytes(self)  # before vLLM's post-load repacking
         return loaded
+
+    def afd_reference_output(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+    ) -> torch.Tensor | None:
+        """fp32 output of ``layer_idx`` with its float experts, when they were kept for the
+        accuracy measurement (``AFD_REPORT_QUANT_ERROR=1``), else ``None``."""
+        kept = getattr(self, "afd_float_reference", None)
+        if kept is None or kept[0] != layer_idx:
+            return None
+        return float_moe(hidden_states, kept[1], kept[2], weights, ids)
+
+    def afd_route(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rank-local top-k of one layer's tokens for the quantized compute (see
+        :func:`afd_models.models._quantized.route`)."""
+        return route(
+            self.model.layers[layer_idx].mlp, self._router, hidden_states, router_logits, topk
+        )
 
 
 class AFDRoleModelMixin:
@@ -473,6 +524,14 @@ class AFDRoleModelMixin:
             def build_block(_i: int, p: str) -> FFNMoEBlock:
                 return cls._afd_build_ep_block(vllm_config, p, emap, afd.ffn_rank)
 
+        scheme = quant_scheme(afd)
+        quant = None if scheme is None else (scheme, afd.expert_quant_group_size)
+        top_k = cls._afd_top_k(config)
+        router = None
+        if quant is not None and emap is None:
+            router = build_router(**cls._afd_router_kwargs(config))
+        if emap is not None:
+            top_k = min(top_k, emap.num_local(afd.ffn_rank))
         return AFDFFNCausalLM(
             num_layers=config.num_hidden_layers,
             moe_layer_indices=cls._afd_moe_layer_indices(config),
@@ -482,6 +541,9 @@ class AFDRoleModelMixin:
             prefix=prefix,
             weights_mapper=cls._afd_weights_mapper,
             local_experts=local,
+            quant=quant,
+            router=router,
+            compute_top_k=top_k if quant is not None else None,
         )
 
     def _afd_init_attention_role(self, vllm_config: Any, afd: AFDConfig) -> None:

@@ -25,18 +25,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector import AFDConnectorBase, create_connector
+from afd_core.connector import AFDConnectorBase, ReadyHook, create_connector
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 
 from afd_runtime.compute import AFDFFNModel, select_ffn_compute
 from afd_runtime.ffn_service import FFNService
+from afd_runtime.quantized import QuantizedFFNCompute
 from afd_runtime.roles import report_param_bytes, require_afd_config, role_rank
 
 logger = logging.getLogger(__name__)
@@ -82,13 +83,24 @@ def build_connector(
     payload_spec: AFDPayloadSpec,
     layers: tuple[int, ...],
     device: torch.device | str | None,
+    *,
+    role_agreement: Mapping[str, Any] | None = None,
+    ready_hook: ReadyHook | None = None,
 ) -> AFDConnectorBase:
     """The connector ``cfg.connector`` for this role rank (constructed, not initialised).
 
     ``num_layers`` is ``max(layers) + 1``: the connector's layer index is the decoder layer
-    index, which both roles derive from the same checkpoint config."""
+    index, which both roles derive from the same checkpoint config. ``role_agreement`` and
+    ``ready_hook``: see :class:`afd_core.connector.AFDConnectorBase` (the FFN role's quantized
+    compute uses them)."""
     return create_connector(
-        cfg, rank, payload_spec=payload_spec, num_layers=max(layers) + 1, device=device
+        cfg,
+        rank,
+        payload_spec=payload_spec,
+        num_layers=max(layers) + 1,
+        device=device,
+        role_agreement=role_agreement,
+        ready_hook=ready_hook,
     )
 
 
@@ -188,13 +200,36 @@ class AFDFFNWorkerMixin:
                 f"the FFN role loaded {type(model).__qualname__}, which is not an AFD FFN model; "
                 "is the afd-models plugin installed?"
             )
-        compute = select_ffn_compute(cfg, model, self._afd_step_context)
+        device = _worker_device(self)
+        sched = getattr(self.vllm_config, "scheduler_config", None)
+        per_rank = int(getattr(sched, "max_num_batched_tokens", 0) or 8192)
+        compute = select_ffn_compute(
+            cfg,
+            model,
+            self._afd_step_context,
+            # One call computes a (layer, stage) over every Attention rank's step tokens.
+            max_tokens=per_rank * cfg.num_attention_ranks,
+            ffn_rank=rank,
+            device=device,
+        )
         layers = tuple(model.afd_moe_layer_indices)
         spec = model.afd_payload_spec
-        device = _worker_device(self)
+        agreement = None
+        hook = None
+        if isinstance(compute, QuantizedFFNCompute):
+            for line in compute.report():
+                print(line, flush=True)
+            agreement = compute.role_agreement()
+            hook = compute.bind if compute.needs_bind else None
         self._afd_config = cfg
         self._afd_service = FFNService(
-            cfg, rank, layers, compute, lambda: build_connector(cfg, rank, spec, layers, device)
+            cfg,
+            rank,
+            layers,
+            compute,
+            lambda: build_connector(
+                cfg, rank, spec, layers, device, role_agreement=agreement, ready_hook=hook
+            ),
         )
 
     def _afd_step_context(self, num_tokens: int) -> AbstractContextManager[object]:

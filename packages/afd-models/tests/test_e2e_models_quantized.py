@@ -1,0 +1,151 @@
+"""E2E: quantized experts on the FFN role (afd-compute-npu's Layered and Mega, reference backend).
+
+Per family one scheme, served twice through the Attention role: FFN role with ``ffn_compute:
+layered``, then with ``ffn_compute: mega``. Checked: the two serve identical greedy tokens (the
+same reference math, one fused call against separate steps); the FFN quantized its experts
+(expert bytes against bf16 as the scheme implies); its measured layer error (teacher-forced on
+the served tokens, ``AFD_REPORT_QUANT_ERROR=1``) is within the documented tolerance. Exact parity
+with plain fp32 vLLM is not expected; the share of equal tokens is printed, not asserted.
+
+And: a Mega bind failure (injected with ``AFD_INJECT_FAULT=mega_bind``) makes the Attention role
+exit non-zero at startup with the FFN's message, within its startup timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("requests")
+
+from afd_models.demo.client import complete_many
+from afd_models.demo.run import QUANT_ERROR_TOLERANCE
+from afd_models.demo.servers import (
+    EngineOptions,
+    ServerExitedError,
+    afd_servers,
+    parity_options,
+    parse_quant_error,
+    parse_quantized,
+    stop_all,
+    wait_until_healthy,
+)
+from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm_runtime, pytest.mark.slow]
+
+MAX_TOKENS = 12
+OPTIONS = EngineOptions(dtype="float32", enforce_eager=True, max_model_len=512)
+#: family -> (gate on Attention, FFN quantization, expert bytes / bf16 bytes)
+CASES = {
+    "qwen3_moe": (False, {"expert_quant": "w8a8"}, 0.52),
+    "deepseek_v2": (True, {"expert_quant": "w4a8", "expert_quant_group_size": 32}, 0.40),
+}
+
+
+def _root(tmp_path_factory: pytest.TempPathFactory, env: str, name: str) -> Path:
+    value = os.environ.get(env)
+    return Path(value) if value else tmp_path_factory.getbasetemp() / name
+
+
+def _serve(model: Path, family: str, compute: str, log_dir: Path, **kw: object) -> object:
+    gate, quant, _ = CASES[family]
+    attention, (ffn,) = afd_servers(
+        model,
+        log_dir=log_dir,
+        options=parity_options(model, OPTIONS),
+        num_attention_ranks=1,
+        gate_on_attention=gate,
+        ffn_extra={"ffn_compute": compute, **quant},
+        prefix=f"quant-{family}-{compute}",
+        progress=print,
+        **kw,  # type: ignore[arg-type]
+    )
+    return attention, ffn
+
+
+@pytest.mark.timeout(1800)
+@pytest.mark.parametrize("family", list(CASES))
+def test_layered_and_mega_serve_identical_tokens(
+    family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    model = ensure_tiny_checkpoint(
+        TinySpec(family), _root(tmp_path_factory, "AFD_TINY_CACHE", "tiny")
+    )
+    log_dir = _root(tmp_path_factory, "AFD_E2E_LOG_DIR", "engine-logs")
+    _gate, quant, ratio = CASES[family]
+    outputs = {}
+    for compute in ("layered", "mega"):
+        attention, ffn = _serve(
+            model, family, compute, log_dir, ffn_env={"AFD_REPORT_QUANT_ERROR": "1"}
+        )
+        ffn.start()  # type: ignore[attr-defined]
+        attention.start()  # type: ignore[attr-defined]
+        try:
+            wait_until_healthy([ffn, attention])  # type: ignore[list-item]
+            batch = complete_many(
+                attention.base_url,
+                DEMO_PROMPTS[:3],
+                max_tokens=MAX_TOKENS,
+                concurrency=1,  # type: ignore[attr-defined]
+            )
+            outputs[compute] = [c.token_ids for c in batch.completions]
+        finally:
+            print(stop_all([attention, ffn]))  # type: ignore[list-item]
+        log = ffn.log_text()  # type: ignore[attr-defined]
+        report = parse_quantized(log)[0]
+        assert report.compute == compute
+        assert abs(report.expert_bytes / report.bf16_bytes - ratio) < 0.02, report
+        layer, calls, max_rel = parse_quant_error(log)[0]
+        assert calls >= 1
+        scheme = quant["expert_quant"]
+        assert max_rel <= QUANT_ERROR_TOLERANCE[scheme], (compute, layer, max_rel)
+        if compute == "mega":
+            assert "Mega bound to afd-p2p/" in log
+    assert all(len(t) == MAX_TOKENS for t in outputs["layered"])
+    assert outputs["layered"] == outputs["mega"]
+
+
+@pytest.mark.timeout(900)
+def test_mega_bind_failure_fails_the_attention_role_at_startup(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    model = ensure_tiny_checkpoint(
+        TinySpec("qwen3_moe"), _root(tmp_path_factory, "AFD_TINY_CACHE", "tiny")
+    )
+    startup_timeout_s = 120.0
+    attention, ffn = _serve(
+        model,
+        "qwen3_moe",
+        "mega",
+        _root(tmp_path_factory, "AFD_E2E_LOG_DIR", "engine-logs"),
+        ffn_env={"AFD_INJECT_FAULT": "mega_bind"},
+        afd_extra={"startup_timeout_s": startup_timeout_s},
+    )
+    ffn.start()  # type: ignore[attr-defined]
+    attention.start()  # type: ignore[attr-defined]
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(ServerExitedError) as err:
+            wait_until_healthy([attention])  # type: ignore[list-item]
+        elapsed = time.monotonic() - t0
+        assert err.value.name == attention.name  # type: ignore[attr-defined]
+        assert attention.poll() not in (None, 0)  # type: ignore[attr-defined]
+        # Engine start (~60 s here) plus at most the startup timeout, not vLLM's 600 s.
+        assert elapsed < 90.0 + startup_timeout_s, elapsed
+        text = attention.log_text()  # type: ignore[attr-defined]
+        assert "'ready_hook'" in text and "injected: AFD_INJECT_FAULT=mega_bind" in text
+        # The bind failure is fatal on the FFN rank too: its engine core stops (vLLM's API server
+        # then reports the engine dead: /health is no longer 200).
+        ffn_log = ffn.log_text()  # type: ignore[attr-defined]
+        assert "AFD FFN rank 0 service failed" in ffn_log and "AFDReadyHookError" in ffn_log
+        deadline = time.monotonic() + 60
+        while ffn.healthy() and time.monotonic() < deadline:  # type: ignore[attr-defined]
+            time.sleep(1)
+        assert not ffn.healthy()  # type: ignore[attr-defined]
+    finally:
+        print(stop_all([attention, ffn]))  # type: ignore[list-item]

@@ -1,0 +1,238 @@
+"""The FFN role's quantized expert compute: afd-compute-npu's Layered or Mega on the model's
+:class:`~afd_weights.QuantizedExpertWeights` (``ffn_compute: layered | mega``).
+
+The adapter's FFN model quantized its experts at load (no float copy stays resident) and routes
+(:class:`AFDQuantizedFFNModel`); this module only runs the compute:
+
+* **Layered** is built once; every call runs ``layered(layer, hidden, local_ids, weights)``.
+* **Mega** is bound to the connector's data group: :meth:`QuantizedFFNCompute.bind` is the
+  connector's ready hook (``afd_core.connector.ReadyHook``), run inside ``init`` before the peers
+  are told this rank is ready, with the values the connector exposes (``group_info()``). Each
+  connection (a new Attention deployment) gets a new bound Mega (a Mega binds exactly once). A
+  bind failure fails ``init`` with :class:`~afd_core.errors.AFDReadyHookError` here and, through
+  the startup coordinator, every Attention rank's ``init`` with this rank's message; no step runs
+  unbound (Mega itself raises ``MegaNotBoundError`` before any side effect).
+* Backend: :class:`~afd_compute_npu.AscendBackend` on an NPU device, else the reference torch
+  backend (CPU and CUDA).
+* :meth:`QuantizedFFNCompute.role_agreement` is what every FFN rank must share (scheme, group
+  size, hidden and intermediate sizes, clamp, dtype): the connector's handshake refuses FFN ranks
+  whose quantization geometry differs.
+
+Fault injection for tests: ``AFD_INJECT_FAULT=mega_bind`` in the FFN process makes every Mega bind
+fail (a real bind failure on CPU has no other trigger).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Final, Protocol, runtime_checkable
+
+import torch
+from afd_compute_npu import (
+    AscendBackend,
+    ComputeConfig,
+    ComputeGraphSignature,
+    LayeredCompute,
+    MegaCommParams,
+    MegaCompute,
+    ReferenceBackend,
+)
+from afd_core.connector import AFDConnectorBase
+from afd_core.metadata import AFDPayloadSpec
+from afd_weights import QuantizedExpertWeights
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable naming a fault to inject (tests only); ``mega_bind`` fails every bind.
+FAULT_ENV: Final[str] = "AFD_INJECT_FAULT"
+#: Printed once per FFN rank (a stable, prefix-free line for log parsers).
+QUANT_FORMAT: Final[str] = (
+    "AFD FFN rank={rank} quantized compute={kind} scheme={scheme} group_size={group} "
+    "expert_bytes={nbytes} bf16_bytes={bf16} layers={layers}"
+)
+SIGNATURE_FORMAT: Final[str] = "AFD FFN rank={rank} layer={layer} compute={kind} signature={digest}"
+#: Printed when the model measures accuracy (its ``afd_reference_output`` returns a tensor): the
+#: max over calls of ``max|y - ref| / max|ref|`` of that layer, on the tokens served.
+ERROR_FORMAT: Final[str] = (
+    "AFD FFN rank={rank} quant_error layer={layer} calls={calls} max_rel={err:.3e}"
+)
+
+
+@runtime_checkable
+class AFDQuantizedFFNModel(Protocol):
+    """What an FFN-role model with quantized experts exposes (afd-models' ``AFDFFNCausalLM``).
+
+    ``afd_route(layer, hidden, router_logits, topk)`` returns the rank-local top-k ``(weights,
+    ids)`` of the tokens: from the Attention role's global top-k (expert parallel), else from the
+    given router logits or the layer's own gate, with the model's router;
+    ``afd_compute_top_k`` is their width.
+    """
+
+    afd_moe_layer_indices: tuple[int, ...]
+    afd_payload_spec: AFDPayloadSpec
+    afd_quantized_weights: QuantizedExpertWeights
+    afd_compute_top_k: int
+
+    def afd_route(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+def compute_backend(device: torch.device | str) -> Any:
+    """The backend for ``device``: Ascend's native ops on an NPU, the torch reference elsewhere."""
+    return AscendBackend() if torch.device(device).type == "npu" else ReferenceBackend()
+
+
+class QuantizedFFNCompute:
+    """Layered or Mega compute of one FFN rank (see the module docstring)."""
+
+    def __init__(
+        self,
+        kind: str,
+        model: AFDQuantizedFFNModel,
+        *,
+        max_tokens: int,
+        ffn_rank: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if kind not in ("layered", "mega"):
+            raise ValueError(f"kind={kind!r}; allowed: 'layered', 'mega'")
+        self.name = kind
+        self._model = model
+        self.weights = model.afd_quantized_weights
+        self.ffn_rank = ffn_rank
+        self.config = ComputeConfig(
+            max_tokens=max_tokens,
+            top_k=model.afd_compute_top_k,
+            dtype=model.afd_payload_spec.dtype,
+            swiglu_limit=self.weights.swiglu_limit,
+            routed_scaling_factor=self.weights.routed_scaling_factor,
+        )
+        self.backend = compute_backend(device)
+        self._compute: LayeredCompute | MegaCompute | None = (
+            LayeredCompute(self.weights, self.config, self.backend) if kind == "layered" else None
+        )
+        self.binds = 0
+        self._errors: dict[int, tuple[int, float]] = {}  # layer -> (calls, max relative error)
+
+    @property
+    def needs_bind(self) -> bool:
+        """True for Mega (bound per connection through :meth:`bind`)."""
+        return self.name == "mega"
+
+    def role_agreement(self) -> dict[str, Any]:
+        """The quantization geometry every FFN rank of a deployment must share."""
+        g = self.weights.geometry
+        return {
+            "expert_quant": self.weights.scheme.value,
+            "group_size": self.weights.group_size,
+            "hidden_size": g.hidden_size,
+            "intermediate_size": g.intermediate_size,
+            "swiglu_limit": self.weights.swiglu_limit,
+            "dtype": str(self.config.dtype),
+        }
+
+    def bind(self, connector: AFDConnectorBase) -> None:
+        """The connector's ready hook for Mega: a new Mega bound to ``connector``'s group."""
+        if not self.needs_bind:
+            return
+        info = connector.group_info()
+        if os.environ.get(FAULT_ENV) == "mega_bind":
+            raise RuntimeError(
+                f"Mega bind to group {info.name!r} failed (injected: {FAULT_ENV}=mega_bind)"
+            )
+        mega = MegaCompute(self.weights, self.config, self.backend)
+        mega.bind(
+            MegaCommParams(
+                group_name=info.name,
+                world_size=info.world_size,
+                rank=info.rank,
+                peer_ranks=info.peer_ranks,
+            )
+        )
+        self._compute = mega
+        self.binds += 1
+        logger.info("AFD FFN rank %d: Mega bound to %s", self.ffn_rank, info.name)
+
+    def report(self) -> list[str]:
+        """The lines an FFN rank prints once: the quantized bytes and each layer's signature."""
+        g = self.weights.geometry
+        lines = [
+            QUANT_FORMAT.format(
+                rank=self.ffn_rank,
+                kind=self.name,
+                scheme=self.weights.scheme.value,
+                group=self.weights.group_size,
+                nbytes=self.weights.nbytes(),
+                bf16=g.bf16_bytes_per_layer() * g.num_layers,
+                layers=g.num_layers,
+            )
+        ]
+        for layer in self.weights.layer_ids:
+            lines.append(
+                SIGNATURE_FORMAT.format(
+                    rank=self.ffn_rank,
+                    layer=layer,
+                    kind=self.name,
+                    digest=self.layer_signature(layer),
+                )
+            )
+        return lines
+
+    def layer_signature(self, layer_id: int) -> str:
+        """The compute graph signature digest of one layer: kind, backend, that layer's tensor
+        layouts, max tokens, top-k and dtype (Mega adds its group once bound)."""
+        w = self.weights
+        one = QuantizedExpertWeights(
+            scheme=w.scheme,
+            layers=(w.layer(layer_id),),
+            swiglu_limit=w.swiglu_limit,
+            routed_scaling_factor=w.routed_scaling_factor,
+            group_size=w.group_size,
+        )
+        return ComputeGraphSignature(
+            kind=self.name,
+            backend=self.backend.name,
+            weights=one.signature,
+            max_tokens=self.config.max_tokens,
+            top_k=self.config.top_k,
+            dtype=str(self.config.dtype),
+        ).digest()
+
+    def __call__(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        weights, ids = self._model.afd_route(layer_idx, hidden_states, router_logits, topk)
+        compute = self._compute
+        if compute is None:  # Mega before any bind: the compute's own error, before any write
+            compute = MegaCompute(self.weights, self.config, self.backend)
+        with torch.inference_mode():
+            out = compute(layer_idx, hidden_states, ids, weights)
+            reference = getattr(self._model, "afd_reference_output", None)
+            ref = None if reference is None else reference(layer_idx, hidden_states, weights, ids)
+        if ref is not None:
+            self._track_error(layer_idx, out, ref)
+        # The workspace view is overwritten by the next call: the reply must own its rows.
+        return out.clone()
+
+    def _track_error(self, layer_idx: int, out: torch.Tensor, ref: torch.Tensor) -> None:
+        scale = float(ref.abs().max())
+        if scale == 0.0:
+            return
+        err = float((out.float() - ref).abs().max()) / scale
+        calls, worst = self._errors.get(layer_idx, (0, 0.0))
+        self._errors[layer_idx] = (calls + 1, max(worst, err))
+        if calls == 0 or err > worst:
+            line = ERROR_FORMAT.format(
+                rank=self.ffn_rank, layer=layer_idx, calls=calls + 1, err=max(worst, err)
+            )
+            print(line, flush=True)
