@@ -527,7 +527,7 @@ def test_demo_config_validates_the_quant_fields(kwargs: dict[str, Any], field: s
 
 
 def test_quant_error_tolerances_are_documented_per_scheme() -> None:
-    assert run.QUANT_ERROR_TOLERANCE == {"w8a8": 5e-2, "w4a8": 4e-1}
+    assert run.QUANT_ERROR_TOLERANCE == {"w8a8": 5e-2, "w4a8": 5e-1}
 
 
 def test_token_match_counts_equal_tokens_position_by_position() -> None:
@@ -607,17 +607,17 @@ def test_render_report_shows_the_quantized_experts_beside_parity() -> None:
 
 
 def test_render_report_names_unmeasured_and_over_tolerance_ranks() -> None:
-    quant = _quant_summary((0.5, None, 0.1), expert_quant="w4a8", equal=0, total=0)
+    quant = _quant_summary((0.6, None, 0.1), expert_quant="w4a8", equal=0, total=0)
     report = dataclasses.replace(_report((3, 4)), quant=quant)
     assert report.parity.ok and not report.ok
-    assert (quant.unmeasured, quant.over_tolerance, quant.max_rel) == ((1,), (0,), 0.5)
+    assert (quant.unmeasured, quant.over_tolerance, quant.max_rel) == ((1,), (0,), 0.6)
     lines = render_report(report).splitlines()
     assert "greedy tokens equal to plain fp32 vLLM: 0 of 0 (0.0%)" in lines
     row = next(ln for ln in lines if ln.startswith("| 1        | afd-ffn1"))
     assert [c.strip() for c in row.strip("|").split("|")][-3:] == ["-", "-", "not measured"]
     assert lines[-1] == (
         "FAIL: quantized experts: no quant_error line from FFN rank(s) [1] (error not measured); "
-        "max relative error 5.000e-01 > 4.0e-01 on FFN rank(s) [0]; 0 of 2 prompts differ from "
+        "max relative error 6.000e-01 > 5.0e-01 on FFN rank(s) [0]; 0 of 2 prompts differ from "
         "plain fp32 vLLM (not expected to be identical)"
     )
 
@@ -727,7 +727,7 @@ def test_run_demo_quantized_configures_the_ffn_ranks_and_reads_their_lines(
     assert not report.parity.ok
     quant = report.quant
     assert quant is not None
-    assert (quant.equal_tokens, quant.total_tokens, quant.tolerance) == (4, 6, 4e-1)
+    assert (quant.equal_tokens, quant.total_tokens, quant.tolerance) == (4, 6, 5e-1)
     assert [(r.rank, r.name, r.error) for r in quant.ranks] == [
         (0, "afd-ffn0", (0, 7, 0.26)),
         (1, "afd-ffn1", (0, 7, 0.2)),

@@ -50,9 +50,11 @@ from afd_models.demo.tiny import DEMO_PROMPTS, TinyFamily, TinySpec, ensure_tiny
 
 #: The max relative error (``max|y - ref| / max|ref|``) of an FFN rank's measured MoE layer
 #: against fp32 that a quantized ``afd demo`` accepts, per ``expert_quant``. Measured on the tiny
-#: random-weight checkpoints, first MoE layer vs fp32: W8A8 2.8e-2, W4A8 per-channel 3.1e-1,
-#: per-group (G=32) 2.6e-1; W4A8's tolerance covers both of its layouts.
-QUANT_ERROR_TOLERANCE: Final[dict[str, float]] = {"w8a8": 5e-2, "w4a8": 4e-1}
+#: random-weight checkpoints, first MoE layer vs fp32, over the demo prompts: W8A8 2.8e-2
+#: (Qwen3-MoE) and 3.6e-2 (DeepSeek-V2); W4A8 per channel 3.1e-1 (Qwen3-MoE) and 4.4e-1
+#: (DeepSeek-V2), per group G=32 2.6e-1 (Qwen3-MoE). W4A8's tolerance covers both layouts: int4
+#: on unstructured random weights is the worst case.
+QUANT_ERROR_TOLERANCE: Final[dict[str, float]] = {"w8a8": 5e-2, "w4a8": 5e-1}
 
 
 @dataclass(frozen=True)
