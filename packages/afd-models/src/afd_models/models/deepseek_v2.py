@@ -214,8 +214,9 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
         # so the router's factor is 1.0 there too.
         if _uses_correction_bias(config):
             raise NotImplementedError(
-                "num_ffn_ranks > 1 with topk_method='noaux_tc' (the correction bias would have "
-                "to load on the Attention role); allowed: one FFN rank for this model"
+                "topk_method='noaux_tc' with routing outside the FusedMoE (num_ffn_ranks > 1, or "
+                "quantized experts: the correction bias would have to load with the router); "
+                "allowed for this model: one FFN rank with ffn_compute='native'"
             )
         return {
             "top_k": config.num_experts_per_tok,
