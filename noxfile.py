@@ -41,7 +41,7 @@ PACKAGES = _members()
 VLLM_PACKAGES = ("afd-runtime", "afd-models")
 #: Packages tested a second time inside the full vLLM CPU environment.
 LOWER_PACKAGES = tuple(p for p in PACKAGES if p not in VLLM_PACKAGES)
-CPU_MARKERS = "not npu and not e2e"
+CPU_MARKERS = "not npu and not e2e and not faults and not load"
 
 
 def _sync(session: nox.Session, *args: str) -> None:
@@ -169,6 +169,13 @@ def e2e(session: nox.Session) -> None:
     """End-to-end: real `vllm serve` engines on CPU, AFD roles against plain vLLM (marker e2e)."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
     session.run("pytest", "packages", "-m", "e2e", *session.posargs)
+
+
+@nox.session(python=PYTHON, tags=["cpu", "faults"])
+def faults(session: nox.Session) -> None:
+    """Faults, shutdown, bad input and access on real `vllm serve` engines (marker faults)."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
+    session.run("pytest", "packages", "-m", "faults", *session.posargs)
 
 
 @nox.session(python=PYTHON, default=False, tags=["bench"])
