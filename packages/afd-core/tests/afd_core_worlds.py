@@ -180,6 +180,7 @@ def _err(err: BaseException) -> dict[str, Any]:
         "field": getattr(err, "field", None),
         "rank": getattr(err, "rank", None),
         "peer_rank": getattr(err, "peer_rank", None),
+        "stage": getattr(err, "stage", None),
         "msg": str(err),
     }
 
@@ -794,3 +795,86 @@ def agreement_rank(rank: int, port: int, case: str) -> dict[str, Any]:
     info = conn.group_info()
     conn.close()
     return {"error": None, "info": info, "seen": seen}
+
+
+def replaced_ffn_proc(proc: int, port: int, liveness_s: float) -> dict[str, Any]:
+    """1:1 world in three processes: the Attention rank (proc 0), an FFN rank that SIGKILLs
+    itself while idle after one step (proc 1) and the FFN rank that replaces it (proc 2).
+
+    The Attention rank must learn of the loss with no operation pending (the FFN heartbeat,
+    ``peer_failure``), re-initialise (round 2) and serve a step with the replacement, which
+    started while round 1 was still open (its rank claimed there) and so waited for round 2.
+    A second process claiming the live FFN rank fails with AFDStartupError (stage 'claim').
+    """
+    import afd_core.p2p.lifecycle as lifecycle
+
+    lifecycle.LIVENESS_TIMEOUT_S = liveness_s
+    topo = AFDTopology(1, 1)
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    role = AFDRole.ATTENTION if proc == 0 else AFDRole.FFN
+    cfg = _config(role, port, 1, 1, timeout_s=10.0, startup_timeout_s=30.0)
+    conn = P2PConnector(cfg, topo, 0, payload_spec=spec, num_layers=1)
+    out: dict[str, Any] = {}
+
+    def attention_step(value: float) -> bool:
+        conn.send_control(AFDControlMessage(((2,),)))
+        handle = conn.send_attn_output(
+            AFDPayload(torch.full((2, 8), value)), AFDTransferMetadata(0, 0, (2,))
+        )
+        return torch.equal(conn.recv_ffn_output(handle), torch.full((2, 8), value + proc_tag))
+
+    def ffn_step(tag: float) -> None:
+        ctl = conn.recv_control(timeout_s=math.inf)
+        meta = ctl.transfer_metadata(0, 0)
+        (payload,) = conn.recv_attn_output(meta)
+        conn.send_ffn_output([payload.hidden_states + tag], meta)
+
+    if proc == 0:
+        conn.init()
+        proc_tag = 1.0
+        out["first_step_ok"] = attention_step(1.0)
+        started = time.monotonic()
+        failure = conn.wait_peer_failure(liveness_s + 20.0)
+        out["failure"] = None if failure is None else _err(failure)
+        out["noticed_after_s"] = time.monotonic() - started
+        out["failure_cleared_on_close"] = conn.peer_failure() is not None
+        conn.close()
+        conn.init()
+        out["generation"] = conn.generation
+        out["peer_failure_after_init"] = conn.peer_failure()
+        proc_tag = 2.0
+        out["second_step_ok"] = attention_step(5.0)
+        # A duplicate of the live FFN rank (proc 2 is serving) must not join: wait for it.
+        while not os.path.exists(f"/tmp/afd-dup-{port}"):
+            time.sleep(0.05)
+        conn.send_control(AFDControlMessage.shutdown_message())
+        conn.close()
+        return out
+    if proc == 1:
+        conn.init()
+        ffn_step(1.0)
+        time.sleep(0.3)
+        os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(1.5)  # proc 2: start while round 1 (proc 1's) is the newest
+    conn.init()
+    out["generation"] = conn.generation
+    ffn_step(2.0)
+    dup = P2PConnector(
+        _config(AFDRole.FFN, port, 1, 1, timeout_s=10.0, startup_timeout_s=1.0),
+        topo,
+        0,
+        payload_spec=spec,
+        num_layers=1,
+    )
+    try:
+        dup.init()
+        out["duplicate"] = None
+    except AFDError as err:
+        out["duplicate"] = _err(err)
+    dup.close()
+    open(f"/tmp/afd-dup-{port}", "w").close()
+    ctl = conn.recv_control(timeout_s=math.inf)
+    out["goodbye"] = ctl.shutdown
+    conn.close()
+    os.unlink(f"/tmp/afd-dup-{port}")
+    return out

@@ -582,3 +582,27 @@ def test_ready_hook_sees_the_data_group() -> None:
         assert info.name == f"afd-p2p/{port_tag}/g1/data"
     for rank in (1, 2):
         assert results[rank]["seen"] == [results[rank]["info"]]
+
+
+@pytest.mark.timeout(120)
+def test_attention_notices_idle_ffn_loss_and_pairs_with_its_replacement() -> None:
+    out = run_world(worlds.replaced_ffn_proc, 3, free_port(), 2.0, timeout_s=110)
+    assert out[1] == ("exit", -9), out[1]
+    assert out[0][0] == "ok", out[0]
+    assert out[2][0] == "ok", out[2]
+    attn, repl = out[0][1], out[2][1]
+    assert attn["first_step_ok"] is True
+    # Noticed with nothing pending, by the heartbeat: FFN world rank 1, stage 'liveness'.
+    assert attn["failure"]["type"] == "AFDPeerError", attn
+    assert attn["failure"]["rank"] == 1 and attn["failure"]["stage"] == "liveness", attn
+    assert "no heartbeat" in attn["failure"]["msg"], attn
+    assert attn["noticed_after_s"] < 2.0 + 10.0, attn
+    assert attn["failure_cleared_on_close"] is True  # close keeps it; the next init clears it
+    assert attn["peer_failure_after_init"] is None
+    # Round 2 on both sides: the replacement waited out the stale round 1.
+    assert attn["generation"] == 2 and repl["generation"] == 2, (attn, repl)
+    assert attn["second_step_ok"] is True
+    dup = repl["duplicate"]
+    assert dup["type"] == "AFDStartupError" and dup["stage"] == "claim", dup
+    assert "already claimed in round 2" in dup["msg"], dup
+    assert repl["goodbye"] is True

@@ -22,8 +22,9 @@ from afd_core.connector import (
 )
 from afd_core.forward_context import get_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
+from afd_runtime.attention_link import AttentionLink, say_goodbye
 from afd_runtime.ffn_service import FFNService
-from afd_runtime.workers.base import build_connector, install_step_hook, say_goodbye
+from afd_runtime.workers.base import build_connector, install_step_hook
 
 NAME = "test-recording"
 HIDDEN = 4
@@ -118,8 +119,9 @@ def test_attention_forward_announces_and_installs_the_selected_connector(
             )
 
     model = Model()
-    install_step_hook(model, connector)
-    install_step_hook(model, connector)  # idempotent: one announcement per forward
+    link = AttentionLink(connector)
+    install_step_hook(model, link)
+    install_step_hook(model, link)  # idempotent: one announcement per forward
     out = model(torch.zeros(3, dtype=torch.long), torch.arange(3))
     assert torch.equal(out, torch.full((3, HIDDEN), 2.0))
     assert [c[0] for c in connector.calls] == ["send_control", "send_attn_output"]

@@ -178,6 +178,8 @@ class AFDConnectorBase(ABC):
         self.payload_spec = payload_spec
         self.num_layers = num_layers
         self.device = dev
+        self._failure: AFDConnectorError | None = None
+        self._failure_event = threading.Event()
 
     # -- identity --------------------------------------------------------------------------
 
@@ -243,6 +245,34 @@ class AFDConnectorBase(ABC):
         """
         with contextlib.suppress(Exception):
             self.close()
+
+    # -- peer failures ---------------------------------------------------------------------
+
+    def peer_failure(self) -> AFDConnectorError | None:
+        """The failure that ended this connector's current initialisation, or ``None``.
+
+        Set when an operation failed (a peer lost, failed or timed out) or when the connector
+        learnt outside any operation that a peer is gone (the P2P connector watches its FFN
+        peers' heartbeats on the Attention side); the first failure wins; the next ``init``
+        clears it. Non-blocking and thread-safe. A connector that detects nothing outside its
+        operations reports a lost peer once an operation failed.
+        """
+        return self._failure
+
+    def wait_peer_failure(self, timeout_s: float) -> AFDConnectorError | None:
+        """Block up to ``timeout_s`` for :meth:`peer_failure` to be set; return it (or ``None``)."""
+        self._failure_event.wait(timeout_s)
+        return self._failure
+
+    def _record_failure(self, failure: AFDConnectorError) -> None:
+        """Record ``failure`` as :meth:`peer_failure` (the first one wins) and wake waiters."""
+        if self._failure is None:
+            self._failure = failure
+        self._failure_event.set()
+
+    def _clear_failure(self) -> None:
+        self._failure = None
+        self._failure_event.clear()
 
     def __enter__(self) -> AFDConnectorBase:
         self.init()

@@ -19,6 +19,8 @@
    notification and then waits out a 5 s recheck (measured: quieted Attention readers stalled
    decode to ~0.3 tokens/s), which only the FFN engine's 2 s waits can afford. No AFD: upstream
    loop, unchanged.
+3. The Attention role's behaviour while its FFN role is lost (requests fail with a clear error,
+   ``/health`` answers 503, the engine stays up): :mod:`afd_runtime.ffn_loss`.
 
 Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
 not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
@@ -33,6 +35,7 @@ from typing import Any, Final
 from afd_core.config import AFDConfig, AFDRole, parse_afd_config
 from afd_core.errors import AFDConfigError
 
+from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
 from afd_runtime.vllm_compat import check_vllm_version
 from afd_runtime.workers import afd_worker_qualname
 
@@ -214,13 +217,16 @@ def apply_vllm_patches() -> None:
         setattr(run_busy_loop, _MARK, True)
         EngineCoreProc.run_busy_loop = run_busy_loop
 
+    install_ffn_loss_patches()
+
 
 def patches_applied() -> bool:
-    """True when both patches are installed."""
+    """True when every patch is installed."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCoreProc
 
     return bool(
         getattr(EngineArgs.create_engine_config, _MARK, False)
         and getattr(EngineCoreProc.run_busy_loop, _MARK, False)
+        and ffn_loss_patches_applied()
     )

@@ -3,9 +3,12 @@
 World: its own ``A + F`` ranks (Attention first, see :mod:`afd_core.topology`) on a TCPStore at
 ``config.host:config.port`` served by world rank 0; vLLM's process groups are never used.
 
-Per initialisation (generation ``g``, counted per rank on the store so re-init after close works):
+Per initialisation (round ``g``: world rank 0 opens a new round at each of its ``init`` calls; the
+other ranks join the newest; so any rank can close and initialise again):
 
-1. connect to the store; namespace ``afd/g<g>``; claim the world rank (a duplicate fails);
+1. connect to the store; namespace ``afd/g<g>``; claim the world rank there (a rank already
+   claimed in that round waits for a newer one, then fails: a duplicate process, stage
+   ``claim``);
 2. handshake: every rank publishes protocol version, config agreement fields and hash, hidden
    size, dtype, layer count, topology, payload spec and device type, reads everyone else's, and
    raises :class:`AFDHandshakeError` naming the first differing field (so a mismatch fails on
@@ -13,7 +16,13 @@ Per initialisation (generation ``g``, counted per rank on the store so re-init a
 3. a barrier, then two process groups: a Gloo *control* group (CPU ``int64`` control messages)
    and a *data* group whose backend follows the device (``cpu``: gloo, ``cuda``: nccl,
    ``npu``: hccl), with ``config.timeout_s`` as its timeout. Steps 1-3 wait at most
-   ``config.startup_timeout_s`` in all (a peer role may still be loading its model).
+   ``config.startup_timeout_s`` in all (a peer role may still be loading its model);
+4. liveness: each FFN rank adds to ``alive/<rank>`` on the store every second; each Attention
+   rank reads its FFN peers' counters and, when one has not moved for ``LIVENESS_TIMEOUT_S``
+   (10 s), records an :class:`AFDPeerError` (stage ``liveness``) as its
+   :meth:`~afd_core.connector.AFDConnectorBase.peer_failure`: an FFN rank that died while no
+   operation was pending is noticed without one. (An operation pending on a vanished peer fails
+   at once: its connections drop.)
 
 Per step (see :mod:`afd_core.connector` for the call order): every Attention rank sends its
 per-stage token counts to its FFN rank (fixed-size control message, tag per direction); per layer

@@ -15,6 +15,7 @@ import collections
 import contextlib
 import json
 import math
+import threading
 import time
 import weakref
 from collections.abc import Mapping
@@ -44,6 +45,15 @@ from afd_core.p2p.recv_ahead import RECV_AHEAD_BYTES, _PendingRecv, _PostedRecv,
 from afd_core.p2p.wire import CONTROL_WORDS, _StageTags
 from afd_core.startup import StartupCoordinator, open_tcp_store
 from afd_core.topology import AFDTopology
+
+_ROUND_KEY = "afd/round"
+_ROUND_POLL_S = 0.01
+#: How often an FFN rank beats its heartbeat on the store and an Attention rank reads it.
+HEARTBEAT_S = 1.0
+#: An FFN peer whose heartbeat has not moved for this long is reported lost (``liveness``).
+#: Generous: a busy 2-core host can stall a thread for a while; in-flight transfers to a
+#: vanished peer fail at once anyway (its connections drop).
+LIVENESS_TIMEOUT_S = 10.0
 
 
 class _P2PLifecycle(AFDConnectorBase):
@@ -150,6 +160,7 @@ class _P2PLifecycle(AFDConnectorBase):
         self._announced: tuple[int, ...] | None = None
         self._control: AFDControlMessage | None = None
         self._handles: weakref.WeakSet[AFDTransferHandle] = weakref.WeakSet()
+        self._liveness_stop = threading.Event()
 
     # -- identity ------------------------------------------------------------------------
 
@@ -204,6 +215,7 @@ class _P2PLifecycle(AFDConnectorBase):
     def init(self) -> None:
         if self._initialized:
             return
+        self._clear_failure()
         stage = "connect"
         try:
             startup_s = self.config.startup_timeout_s
@@ -215,7 +227,8 @@ class _P2PLifecycle(AFDConnectorBase):
                 timeout_s=startup_s,
             )
             self._store = root
-            self._generation = int(root.add(f"afd/inits/{self.world_rank}", 1))
+            stage = "claim"
+            self._generation = self._claim_round(root, deadline)
             ns = dist.PrefixStore(f"afd/g{self._generation}", root)
             self._store = ns
             coord = StartupCoordinator(
@@ -225,14 +238,6 @@ class _P2PLifecycle(AFDConnectorBase):
                 timeout_s=startup_s,
             )
             self._coordinator = coord
-            stage = "claim"
-            if ns.add(f"claim/{self.world_rank}", 1) != 1:
-                raise AFDStartupError(
-                    self.world_rank,
-                    stage,
-                    f"world rank {self.world_rank} ({self.role} {self.role_rank}) was claimed "
-                    "by two processes",
-                )
             stage = "handshake"
             self._handshake(ns, coord, deadline)
             coord.barrier("handshake", timeout_s=self._remaining(deadline))
@@ -262,6 +267,7 @@ class _P2PLifecycle(AFDConnectorBase):
                     ) from hook_err
             stage = "ready"
             coord.barrier("ready", timeout_s=self._remaining(deadline))
+            self._start_liveness(ns)
         except BaseException as err:
             if self._coordinator is not None and not isinstance(
                 err, AFDStartupError | AFDPeerError
@@ -278,6 +284,86 @@ class _P2PLifecycle(AFDConnectorBase):
                 ) from err
             raise AFDPeerError(None, stage, f"{type(err).__name__}: {err}") from err
         self._initialized = True
+
+    def _claim_round(self, root: Any, deadline: float) -> int:
+        """Join the current initialisation round and claim this world rank in it; its number.
+
+        World rank 0 (the store's server) opens a new round at every ``init``; every other rank
+        joins the newest round. A rank already claimed there means the round is stale for this
+        process (it replaces a holder that left, and rank 0 has not opened the next round yet)
+        or a second process runs this rank: the claim then waits for a newer round and fails
+        with :class:`AFDStartupError` (stage ``claim``) if none opens before the deadline.
+        """
+        rank = self.world_rank
+        if rank == 0:
+            number = int(root.add(_ROUND_KEY, 1))
+            root.add(f"afd/g{number}/claim/0", 1)
+            return number
+        number = 0
+        while True:
+            current = int(root.add(_ROUND_KEY, 0))
+            if current > number:
+                number = current
+                if int(root.add(f"afd/g{number}/claim/{rank}", 1)) == 1:
+                    return number
+            if time.monotonic() >= deadline:
+                if number == 0:
+                    raise AFDTimeoutError(
+                        f"AFD P2P init of world rank {rank} timed out in stage 'claim': world "
+                        f"rank 0 opened no round within {self.config.startup_timeout_s:g}s"
+                    )
+                raise AFDStartupError(
+                    rank,
+                    "claim",
+                    f"world rank {rank} ({self.role} {self.role_rank}) is already claimed in "
+                    f"round {number} and world rank 0 opened no newer round within "
+                    f"{self.config.startup_timeout_s:g}s: another process runs this rank",
+                )
+            time.sleep(_ROUND_POLL_S)
+
+    def _start_liveness(self, store: Any) -> None:
+        """After ``init``: FFN ranks beat a heartbeat on the store; Attention ranks watch their
+        FFN peers' beats and record a :class:`AFDPeerError` (stage ``liveness``) for a peer
+        whose beat stops for :data:`LIVENESS_TIMEOUT_S` (see :meth:`peer_failure`). Both
+        threads end when this initialisation ends (``close`` sets their event)."""
+        stop = self._liveness_stop = threading.Event()
+        if self._is_ffn:
+            target: Any = self._beat
+            args: tuple[Any, ...] = (store, stop)
+        else:
+            target, args = self._watch, (store, stop, self._generation)
+        threading.Thread(
+            target=target, args=args, name=f"afd-liveness-{self.world_rank}", daemon=True
+        ).start()
+
+    def _beat(self, store: Any, stop: threading.Event) -> None:
+        key = f"alive/{self.world_rank}"
+        while not stop.is_set():
+            try:
+                store.add(key, 1)
+            except Exception:  # the store's server is gone: the connector's ops will say so
+                return
+            stop.wait(HEARTBEAT_S)
+
+    def _watch(self, store: Any, stop: threading.Event, generation: int) -> None:
+        seen = {rank: (-1, time.monotonic()) for rank in self._ffn_world_ranks}
+        while not stop.wait(HEARTBEAT_S):
+            now = time.monotonic()
+            for rank, (count, since) in seen.items():
+                try:
+                    beat = int(store.add(f"alive/{rank}", 0))
+                except Exception as err:
+                    reason = f"the rendezvous store is unreachable: {type(err).__name__}: {err}"
+                else:
+                    if beat != count:
+                        seen[rank] = (beat, now)
+                        continue
+                    if now - since < LIVENESS_TIMEOUT_S:
+                        continue
+                    reason = f"no heartbeat for {now - since:.1f}s (process gone or stalled)"
+                if not stop.is_set() and self._generation == generation:
+                    self._record_failure(AFDPeerError(rank, "liveness", reason))
+                return
 
     def _remaining(self, deadline: float) -> float:
         return max(deadline - time.monotonic(), 0.001)
@@ -308,6 +394,7 @@ class _P2PLifecycle(AFDConnectorBase):
         self._teardown()
 
     def _teardown(self) -> None:
+        self._liveness_stop.set()
         # Pending works hold the gloo context (and its sockets) alive: drop them first.
         self._posted = collections.defaultdict(collections.deque)
         self._reply_queue = {}
@@ -391,6 +478,7 @@ class _P2PLifecycle(AFDConnectorBase):
             )
         if coord is not None:
             coord.publish_failure(op, f"{type(exc).__name__}: {exc}")
+        self._record_failure(exc)
         self.close()
         if exc is err:
             raise exc

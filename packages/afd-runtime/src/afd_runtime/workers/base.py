@@ -5,7 +5,8 @@ Both roles obtain their connector from afd-core's registry (``AFDConfig.connecto
 
 ``AFDAttentionWorkerMixin`` keeps vLLM's scheduler, KV cache and sampling untouched; after the
 model is loaded it reports the parameter bytes, initialises the connector (waiting up to
-``startup_timeout_s`` for the FFN role) and wraps the model's ``forward`` so that every forward
+``startup_timeout_s`` for the FFN role) under an :class:`~afd_runtime.attention_link.AttentionLink`
+(which reconnects after an FFN loss) and wraps the model's ``forward`` so that every forward
 (real, dummy or profiling) announces its token count (``send_control``) and runs with the AFD
 forward metadata installed (afd-core); the model's MoE layers then call afd-remote's proxy,
 which sends and receives through that connector. On shutdown it says goodbye (a shutdown
@@ -22,7 +23,6 @@ call more than once.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -35,6 +35,7 @@ from afd_core.connector import AFDConnectorBase, ReadyHook, create_connector
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 
+from afd_runtime.attention_link import AFDFFNUnavailableError, AttentionLink
 from afd_runtime.compute import AFDFFNModel, select_ffn_compute
 from afd_runtime.ffn_service import FFNService
 from afd_runtime.quantized import QuantizedFFNCompute
@@ -109,36 +110,31 @@ def _worker_device(worker: Any) -> torch.device | str:
     return device if isinstance(device, torch.device | str) else "cpu"
 
 
-def install_step_hook(model: torch.nn.Module, connector: AFDConnectorBase) -> None:
+def install_step_hook(model: torch.nn.Module, link: AttentionLink) -> None:
     """Wrap ``model.forward``: announce the step, install the AFD forward metadata, run.
 
-    Every call sends ``AFDControlMessage(((n,),))`` (when the connector has a control plane)
+    Every call runs inside ``link.step()`` (it fails at once with
+    :class:`~afd_runtime.attention_link.AFDFFNUnavailableError` while the FFN role is
+    unavailable), sends ``AFDControlMessage(((n,),))`` (when the connector has a control plane)
     and runs inside ``set_afd_forward_metadata(AFDForwardMetadata(connector, num_tokens=(n,)))``.
     Idempotent: a model wrapped once is not wrapped again.
     """
     if getattr(model, "_afd_step_hook", False):
         return
     inner: Callable[..., Any] = model.forward
-    announce = connector.has_control_plane
+    announce = link.connector.has_control_plane
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         n = _num_tokens(args, kwargs)
-        if announce:
-            connector.send_control(AFDControlMessage(((n,),)))
-        with set_afd_forward_metadata(AFDForwardMetadata(connector=connector, num_tokens=(n,))):
-            return inner(*args, **kwargs)
+        with link.step() as connector:
+            if announce:
+                connector.send_control(AFDControlMessage(((n,),)))
+            with set_afd_forward_metadata(AFDForwardMetadata(connector=connector, num_tokens=(n,))):
+                return inner(*args, **kwargs)
 
     model.forward = forward
     model._afd_step_hook = True  # type: ignore[assignment]
-
-
-def say_goodbye(connector: AFDConnectorBase) -> None:
-    """Tell the FFN role this Attention rank leaves (best effort), then close the connector."""
-    if connector.is_initialized and connector.has_control_plane:
-        with contextlib.suppress(Exception):
-            connector.send_control(AFDControlMessage.shutdown_message())
-    connector.close()
 
 
 class AFDAttentionWorkerMixin:
@@ -146,7 +142,7 @@ class AFDAttentionWorkerMixin:
 
     vllm_config: Any
     model_runner: Any
-    _afd_connector: AFDConnectorBase | None = None
+    _afd_link: AttentionLink | None = None
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = require_afd_config(self.vllm_config, AFDRole.ATTENTION)
@@ -163,15 +159,31 @@ class AFDAttentionWorkerMixin:
                 "plugin installed?"
             )
         connector = build_connector(cfg, rank, spec, tuple(layers), _worker_device(self))
-        connector.init()
-        self._afd_connector = connector
-        install_step_hook(model, connector)
+        link = AttentionLink(connector, name=f"rank {rank}")
+        link.connect()
+        self._afd_link = link
+        install_step_hook(model, link)
         logger.info("AFD Attention rank %d connected through connector %r", rank, connector.name)
 
+    def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:
+        # vLLM data parallelism runs a dummy batch on an idle rank while another has requests;
+        # while the FFN role is unavailable there is nothing to fail but the batch itself.
+        try:
+            return super().execute_dummy_batch(*args, **kwargs)  # type: ignore[misc]
+        except AFDFFNUnavailableError as exc:
+            logger.warning("AFD Attention dummy batch skipped: %s", exc)
+            return None
+
+    # --- RPC used by the engine's health check (afd_runtime.ffn_loss) --------------------
+    def afd_attention_health(self) -> str | None:
+        """``None`` while this rank's FFN role is reachable, else why not."""
+        link = self._afd_link
+        return None if link is None else link.health()
+
     def shutdown(self) -> None:
-        connector, self._afd_connector = self._afd_connector, None
-        if connector is not None:
-            say_goodbye(connector)
+        link, self._afd_link = self._afd_link, None
+        if link is not None:
+            link.close()
         super().shutdown()  # type: ignore[misc]
 
 

@@ -1,0 +1,169 @@
+"""Faults: the FFN role dies while the Attention role serves, then comes back.
+
+One AFD pair (tiny Qwen3-MoE, 1:1, float32, eager), started once:
+
+1. reference tokens for the demo prompts;
+2. the FFN role's process session is SIGKILLed while a long request is being generated: that
+   request ends with HTTP 500 naming the FFN role, well within ``timeout_s``; the Attention
+   server stays up, ``/health`` answers 503, and a new request fails at once the same way;
+3. a new FFN server (same arguments) starts: the Attention role reconnects by itself
+   (``/health`` 200 again) and serves the demo prompts token for token as before;
+4. the FFN role is SIGKILLed again while the pair is idle: ``/health`` turns 503 within the
+   heartbeat bound (no request needed to notice), and a restarted FFN serves again;
+5. both roles stop on SIGTERM with exit code 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("requests")
+
+import requests
+from afd_models.demo.client import complete, served_model_id
+from afd_models.demo.servers import (
+    EngineOptions,
+    VLLMServer,
+    afd_servers,
+    stop_all,
+    wait_until_healthy,
+)
+from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+
+pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
+
+TIMEOUT_S = 30.0  # the AFD config's timeout_s (every wait inside a step)
+LONG_TOKENS = 900  # long enough to still be generating when the FFN dies
+UNAVAILABLE = "AFD FFN role unavailable"
+#: The Attention role notices an idle FFN's death by its heartbeat: 10 s without a beat
+#: (afd_core.p2p.lifecycle.LIVENESS_TIMEOUT_S) plus a poll; generous for a loaded 2-core host.
+IDLE_DETECT_BOUND_S = 40.0
+
+
+def _post(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str, float]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    t0 = time.monotonic()
+    resp = requests.post(f"{base_url}/v1/completions", json=payload, timeout=600)
+    return resp.status_code, resp.text, time.monotonic() - t0
+
+
+def _health(server: VLLMServer) -> int:
+    try:
+        return int(requests.get(f"{server.base_url}/health", timeout=10).status_code)
+    except requests.RequestException:
+        return -1
+
+
+def _wait_health(server: VLLMServer, status: int, bound_s: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < bound_s:
+        server.check_alive()
+        if _health(server) == status:
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    raise AssertionError(f"{server.name} /health never answered {status} within {bound_s:.0f}s")
+
+
+def _tokens(server: VLLMServer, model: str) -> list[tuple[int, ...]]:
+    return [
+        complete(server.base_url, p, model=model, max_tokens=16).token_ids for p in DEMO_PROMPTS
+    ]
+
+
+def _restart(first: VLLMServer, n: int) -> VLLMServer:
+    """A new server with ``first``'s command (the same FFN rank), logging to its own file."""
+    log = first.config.log_path.with_name(f"{first.config.log_path.stem}-restart{n}.log")
+    again = VLLMServer(dataclasses.replace(first.config, log_path=log), first._progress)
+    again.start()
+    return again
+
+
+@pytest.mark.timeout(1800)
+def test_ffn_loss_fails_requests_keeps_attention_up_and_reconnects(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    cache = os.environ.get("AFD_TINY_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    model_path = ensure_tiny_checkpoint(TinySpec("qwen3_moe"), root)
+    log_env = os.environ.get("AFD_E2E_LOG_DIR")
+    log_dir = Path(log_env) if log_env else tmp_path_factory.getbasetemp() / "engine-logs"
+    attention, (ffn,) = afd_servers(
+        model_path,
+        log_dir=log_dir,
+        options=EngineOptions(dtype="float32", enforce_eager=True, max_model_len=1024),
+        num_attention_ranks=1,
+        gate_on_attention=False,
+        afd_extra={"timeout_s": TIMEOUT_S},
+        prefix="ffn-loss",
+        progress=print,
+    )
+    ffns = [ffn]
+    ffn.start()
+    attention.start()
+    try:
+        wait_until_healthy([ffn, attention])
+        model = served_model_id(attention.base_url)
+        reference = _tokens(attention, model)
+
+        # -- 2. the FFN dies mid-request -------------------------------------------------
+        result: dict[str, tuple[int, str, float]] = {}
+        worker = threading.Thread(
+            target=lambda: result.setdefault(
+                "long", _post(attention.base_url, model, DEMO_PROMPTS[0], LONG_TOKENS)
+            )
+        )
+        worker.start()
+        time.sleep(2.0)
+        assert worker.is_alive(), f"the long request ended before the kill: {result}"
+        ffn.kill()
+        killed_at = time.monotonic()
+        worker.join(TIMEOUT_S + 30)
+        assert not worker.is_alive(), "the in-flight request hung after the FFN died"
+        status, body, _ = result["long"]
+        assert status == 500, body
+        assert UNAVAILABLE in body and "FFN world rank 1" in body, body
+        assert time.monotonic() - killed_at < TIMEOUT_S, "not failed within timeout_s"
+        assert attention.poll() is None, "the Attention server exited"
+        _wait_health(attention, 503, 15.0)
+        status, body, took = _post(attention.base_url, model, DEMO_PROMPTS[1], 8)
+        assert status == 500 and UNAVAILABLE in body, body
+        assert took < 5.0, f"a request while the FFN is down took {took:.1f}s"
+
+        # -- 3. a new FFN: the Attention role reconnects by itself ------------------------
+        ffn = _restart(ffns[0], 1)
+        ffns.append(ffn)
+        wait_until_healthy([ffn])
+        _wait_health(attention, 200, 120.0)
+        assert _tokens(attention, model) == reference
+
+        # -- 4. the FFN dies while the pair is idle ---------------------------------------
+        ffn.kill()
+        took = _wait_health(attention, 503, IDLE_DETECT_BOUND_S)
+        print(f"idle FFN loss reported unhealthy after {took:.1f}s")
+        ffn = _restart(ffns[0], 2)
+        ffns.append(ffn)
+        wait_until_healthy([ffn])
+        _wait_health(attention, 200, 120.0)
+        assert _tokens(attention, model) == reference
+        assert "reconnected to its FFN role" in attention.log_text()
+
+        # -- 5. both roles stop cleanly ---------------------------------------------------
+        results = stop_all([attention, ffn], timeout_s=30.0)
+        for res in results:
+            assert res.exit_code == 0 and not res.forced, res
+    finally:
+        stop_all([attention, *reversed(ffns)], timeout_s=30.0)

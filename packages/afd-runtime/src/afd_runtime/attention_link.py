@@ -1,0 +1,188 @@
+"""The Attention role's link to its FFN role: one connector, its failures and its reconnection.
+
+An Attention rank outlives its FFN role. :class:`AttentionLink` owns the Attention rank's
+connector after the first ``init`` and keeps these invariants:
+
+* A step uses the connector only while the link is up (:meth:`AttentionLink.step`). While it is
+  down a step fails at once with :class:`AFDFFNUnavailableError` naming the FFN rank and the
+  cause: no step waits for an FFN that is gone.
+* A failure takes the link down: an operation of a step failed (a peer lost or failed, a wait
+  timed out), or the connector learnt between steps that a peer is gone (the P2P connector
+  watches the FFN ranks' heartbeats, see :meth:`afd_core.connector.AFDConnectorBase.peer_failure`).
+  The supervisor thread then closes the connector (never while a step uses it) and initialises it
+  again, attempt after attempt (each bounded by ``startup_timeout_s``, :data:`RECONNECT_RETRY_S`
+  between attempts), until the FFN role is back or the link closes. The first step after that
+  runs on the new connection.
+* :meth:`AttentionLink.health` is ``None`` while up and the reason while down (the Attention
+  server's ``/health`` answers 503 then, see :mod:`afd_runtime.ffn_loss`).
+* :meth:`AttentionLink.close` says goodbye to a connected FFN role and is idempotent.
+
+An error raised inside a step without a connector failure (a bug, bad input) passes through
+unchanged: only what the FFN role caused is turned into :class:`AFDFFNUnavailableError`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+
+from afd_core.connector import AFDConnectorBase
+from afd_core.errors import AFDConnectorError, AFDPeerError
+from afd_core.metadata import AFDControlMessage
+
+logger = logging.getLogger(__name__)
+
+#: Pause between two reconnection attempts of a link that is down.
+RECONNECT_RETRY_S = 1.0
+#: How often the supervisor looks at the connector while the link is up.
+SUPERVISE_POLL_S = 1.0
+
+
+class AFDFFNUnavailableError(AFDPeerError):
+    """A step of the Attention role could not run because its FFN role is unavailable.
+
+    ``rank`` is the FFN world rank when known, ``stage`` the operation that failed,
+    ``failure`` the connector's error; the message says that the Attention role reconnects.
+    """
+
+    def __init__(self, failure: AFDConnectorError) -> None:
+        self.failure = failure
+        peer = failure.rank if isinstance(failure, AFDPeerError) else None
+        stage = failure.stage if isinstance(failure, AFDPeerError) else "step"
+        super().__init__(peer, stage, str(failure))
+        who = f"FFN world rank {peer}" if peer is not None else "the FFN role"
+        self.args = (
+            f"AFD FFN role unavailable: {who} ({type(failure).__name__}: {failure}); the "
+            "Attention role reconnects when the FFN role is back",
+        )
+
+
+def say_goodbye(connector: AFDConnectorBase) -> None:
+    """Tell the FFN role this Attention rank leaves (best effort), then close the connector."""
+    if connector.is_initialized and connector.has_control_plane:
+        with contextlib.suppress(Exception):
+            connector.send_control(AFDControlMessage.shutdown_message())
+    connector.close()
+
+
+class AttentionLink:
+    """An initialised Attention-side connector kept up across FFN losses (module docstring)."""
+
+    def __init__(self, connector: AFDConnectorBase, *, name: str = "") -> None:
+        self.connector = connector
+        self.name = name or f"attention-{connector.role_rank}"
+        self._lock = threading.Lock()  # held by a step while it uses the connector
+        self._down: AFDConnectorError | None = None
+        self._closing = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.reconnects = 0  # successful re-initialisations after a loss
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """First ``init`` (blocking; its errors propagate: a startup failure stays fatal), then
+        start the supervisor thread."""
+        self.connector.init()
+        self._thread = threading.Thread(
+            target=self._supervise, name=f"afd-link-{self.name}", daemon=True
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop supervising; say goodbye if connected; close the connector (idempotent).
+
+        A reconnection attempt in progress is not interrupted (it ends with its own bound, in a
+        daemon thread); the connector is then left to it."""
+        if self._closing.is_set():
+            return
+        self._closing.set()
+        acquired = self._lock.acquire(timeout=SUPERVISE_POLL_S * 5)
+        try:
+            if self._down is None:
+                say_goodbye(self.connector)
+        finally:
+            if acquired:
+                self._lock.release()
+
+    # -- state -----------------------------------------------------------------------------
+
+    @property
+    def is_up(self) -> bool:
+        return self._down is None and not self._closing.is_set()
+
+    def health(self) -> str | None:
+        """``None`` while the link is up; why it is down otherwise."""
+        failure = self._down
+        if failure is None:
+            failure = self.connector.peer_failure()
+        return None if failure is None else str(AFDFFNUnavailableError(failure))
+
+    # -- steps -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[AFDConnectorBase]:
+        """Use the connector for one step; fail at once while down (see the module docstring)."""
+        down = self._down
+        if down is not None:
+            raise AFDFFNUnavailableError(down)
+        with self._lock:
+            down = self._down
+            if down is not None:
+                raise AFDFFNUnavailableError(down)
+            try:
+                yield self.connector
+            except BaseException as err:
+                failure = self.connector.peer_failure()
+                if failure is None:
+                    raise
+                self._down = failure
+                raise AFDFFNUnavailableError(failure) from err
+
+    # -- supervisor ------------------------------------------------------------------------
+
+    def _supervise(self) -> None:
+        while not self._closing.is_set():
+            failure = self.connector.wait_peer_failure(SUPERVISE_POLL_S)
+            if failure is None:
+                continue
+            with self._lock:
+                if self._closing.is_set():
+                    return
+                if self._down is None:
+                    self._down = failure
+                self.connector.close()
+            logger.warning(
+                "AFD Attention %s lost its FFN role (%s: %s); reconnecting",
+                self.name,
+                type(failure).__name__,
+                failure,
+            )
+            if not self._reconnect():
+                return
+
+    def _reconnect(self) -> bool:
+        """Initialise the connector again until it pairs (True) or the link closes (False)."""
+        attempts = 0
+        while not self._closing.is_set():
+            attempts += 1
+            try:
+                self.connector.init()
+            except AFDConnectorError as exc:
+                self.connector.close()
+                if attempts == 1 or attempts % 30 == 0:
+                    logger.info(
+                        "AFD Attention %s still waiting for its FFN role (attempt %d): %s",
+                        self.name,
+                        attempts,
+                        exc,
+                    )
+                self._closing.wait(RECONNECT_RETRY_S)
+                continue
+            with self._lock:
+                self._down = None
+            self.reconnects += 1
+            logger.info("AFD Attention %s reconnected to its FFN role", self.name)
+            return True
+        return False
