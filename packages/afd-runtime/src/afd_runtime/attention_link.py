@@ -98,13 +98,16 @@ class AttentionLink:
         if self._closing.is_set():
             return
         self._closing.set()
-        acquired = self._lock.acquire(timeout=SUPERVISE_POLL_S * 5)
+        # A step still running (it cannot be: vLLM stops stepping before it shuts workers
+        # down) would own the connector: then leave it to the process exit.
+        if not self._lock.acquire(timeout=SUPERVISE_POLL_S * 5):
+            logger.warning("AFD Attention %s closed while a step ran: no goodbye", self.name)
+            return
         try:
             if self._down is None:
                 say_goodbye(self.connector)
         finally:
-            if acquired:
-                self._lock.release()
+            self._lock.release()
 
     # -- state -----------------------------------------------------------------------------
 
