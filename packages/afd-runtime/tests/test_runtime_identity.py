@@ -17,7 +17,6 @@ from afd_core.config import AFDConfig, AFDRole
 from afd_core.metadata import AFDPayloadSpec
 from afd_core.p2p import P2PConnector
 from afd_core.p2p.handshake import _first_difference
-
 from afd_runtime.identity import (
     SAMPLE_BYTES,
     SAMPLE_WINDOWS,
@@ -119,9 +118,7 @@ def test_a_copy_elsewhere_has_the_same_identity(tmp_path: Path) -> None:
 def test_a_changed_config_value_is_named_by_its_key(tmp_path: Path, key: str, value: Any) -> None:
     a, _ = checkpoint(tmp_path)
     changed = dict(CONFIG, **{key: value})
-    found = difference(
-        model_identity(vllm_config(a)), model_identity(vllm_config(a, changed))
-    )
+    found = difference(model_identity(vllm_config(a)), model_identity(vllm_config(a, changed)))
     assert found == (f"model_identity.config.{key}", CONFIG.get(key), value)
 
 
@@ -230,7 +227,7 @@ def test_small_files_are_read_whole_and_other_formats_have_no_header(tmp_path: P
 def test_a_truncated_safetensors_header_is_refused_naming_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(struct.pack("<Q", 1 << 20) + b"{}")
-    with pytest.raises(ValueError, match="model.safetensors: safetensors header length"):
+    with pytest.raises(ValueError, match=r"model\.safetensors: safetensors header length"):
         weight_file_identity(bad)
 
 

@@ -53,6 +53,11 @@ def _handshake_fields(
     }
 
 
+MODEL_MISMATCH_HINT = (
+    "the roles serve different models: start every role on the same checkpoint (config and "
+    "weight files) with the same model overrides"
+)
+
 _PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -65,9 +70,7 @@ def _first_difference(path: str, mine: Any, theirs: Any) -> tuple[str, Any, Any]
     key order, a missing key reads as ``None``); ``None`` when equal."""
     if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
         for key in sorted(set(mine) | set(theirs), key=str):
-            found = _first_difference(
-                _child_path(path, str(key)), mine.get(key), theirs.get(key)
-            )
+            found = _first_difference(_child_path(path, str(key)), mine.get(key), theirs.get(key))
             if found is not None:
                 return found
         return None
@@ -110,7 +113,7 @@ def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer:
         "model_identity", mine["model_identity"], theirs.get("model_identity") or {}
     )
     if found is not None:
-        raise AFDHandshakeError(*found, peer)
+        raise AFDHandshakeError(*found, peer, hint=MODEL_MISMATCH_HINT)
     if theirs.get("role") == mine["role"]:
         # Same role: their own agreement too (e.g. FFN ranks' quantization geometry).
         their_role = theirs.get("role_agreement") or {}
