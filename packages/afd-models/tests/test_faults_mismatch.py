@@ -4,9 +4,9 @@ One FFN role on tiny checkpoint A (Qwen3-MoE, 1:1). An Attention role on a byte-
 of A in another folder pairs and serves (the identity does not depend on where the files lie);
 it is stopped (the FFN outlives it). A second Attention role on a copy of A with one weight
 value changed (the first float of the data section, inside the first sampled window) then
-fails: both roles' handshakes name ``model_identity.weights['model.safetensors'].samples``, the
-Attention server exits non-zero within its engine start plus its AFD startup timeout, and the FFN server's engine
-stops with the same error (the server exits).
+fails: both roles' handshakes name ``model_identity.weights['model.safetensors'].samples``; the
+Attention server exits non-zero within its engine start plus its AFD startup timeout, and the
+FFN server's engine stops with the same error (the server exits).
 """
 
 from __future__ import annotations
