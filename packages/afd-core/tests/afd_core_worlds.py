@@ -878,3 +878,57 @@ def replaced_ffn_proc(proc: int, port: int, liveness_s: float) -> dict[str, Any]
     conn.close()
     os.unlink(f"/tmp/afd-dup-{port}")
     return out
+
+
+#: The model identity every rank of :func:`identity_rank` publishes unless its case changes it.
+IDENTITY: dict[str, Any] = {
+    "config": {"hidden_act": "silu", "num_experts": 8, "rope_scaling": None},
+    "weights": {
+        "model.safetensors": {"header": "h0", "samples": "s0", "size": 1024},
+    },
+}
+
+
+def identity_rank(rank: int, port: int, a: int, f: int, case: str) -> dict[str, Any]:
+    """``a`` Attention : ``f`` FFN ranks publishing :data:`IDENTITY`, except the last world
+    rank (an FFN rank), by ``case``:
+
+    * ``same``: equal identity (init succeeds);
+    * ``weights``: another ``samples`` digest of ``model.safetensors``;
+    * ``config``: another ``hidden_act``;
+    * ``extra_key``: one more config key.
+    """
+    topo = AFDTopology(a, f)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(
+        role,
+        port,
+        a,
+        f,
+        compute_gate_on_attention=f > 1,
+        ffn_rank=role_rank if role is AFDRole.FFN else 0,
+        timeout_s=15.0,
+    )
+    identity = {"config": dict(IDENTITY["config"]), "weights": dict(IDENTITY["weights"])}
+    if rank == topo.world_size - 1:
+        if case == "weights":
+            identity["weights"] = {
+                "model.safetensors": {"header": "h0", "samples": "s1", "size": 1024}
+            }
+        elif case == "config":
+            identity["config"]["hidden_act"] = "gelu"
+        elif case == "extra_key":
+            identity["config"]["moe_renorm"] = True
+    spec = spec_for("hidden_f16_topk") if f > 1 else spec_for("hidden_f32")
+    conn = P2PConnector(
+        cfg, topo, role_rank, payload_spec=spec, num_layers=NUM_LAYERS, model_identity=identity
+    )
+    try:
+        conn.init()
+    except AFDError as err:
+        report: dict[str, Any] = {"error": type(err).__name__, "text": str(err)}
+        for attr in ("field", "local", "remote", "peer_rank"):
+            report[attr] = getattr(err, attr, None)
+        return report
+    conn.close()
+    return {"error": None}

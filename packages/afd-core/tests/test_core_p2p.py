@@ -284,8 +284,9 @@ def test_handshake_fields_cover_contract() -> None:
     fields = conn.handshake_fields()
     assert fields["hidden_size"] == 8 and fields["dtype"] == "bfloat16"
     assert fields["num_layers"] == 5 and fields["topology"] == [3, 2]
-    assert fields["protocol_version"] == 5
+    assert fields["protocol_version"] == 6
     assert fields["role"] == "ffn" and fields["role_agreement"] == {}
+    assert fields["model_identity"] == {}
     assert fields["config_hash"] == conn.config.agreement_hash()
     assert set(fields["payload_spec"]) == {"hidden_states", "topk_ids", "topk_weights"}
     assert conn.served_world_ranks == (0, 1, 2)  # expert parallel: every Attention rank

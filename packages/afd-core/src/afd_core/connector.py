@@ -28,6 +28,7 @@ connectors through the ``afd.connectors`` entry-point group (``name = "pkg.modul
 from __future__ import annotations
 
 import contextlib
+import json
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
@@ -111,6 +112,29 @@ class AFDTransferHandle:
         return f"AFDTransferHandle({self.metadata!r}, consumed={self._consumed})"
 
 
+def _canonical_identity(model_identity: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``model_identity`` as it travels in the handshake (a JSON round trip: string keys, lists
+    for tuples), so that a rank's own value compares equal to a peer's decoded one.
+
+    Raises:
+        AFDConfigError: not ``None`` or a mapping, or not JSON-serialisable with string keys and
+            finite numbers (NaN never compares equal, so it could never agree).
+    """
+    if model_identity is None:
+        return {}
+    allowed = "None or a JSON-serialisable mapping (string keys, finite numbers)"
+    if not isinstance(model_identity, Mapping):
+        raise AFDConfigError("model_identity", type(model_identity).__name__, allowed)
+    try:
+        text = json.dumps(dict(model_identity), allow_nan=False, sort_keys=True)
+    except (TypeError, ValueError) as err:
+        raise AFDConfigError(
+            "model_identity", type(model_identity).__name__, allowed, detail=str(err)
+        ) from None
+    canonical: dict[str, Any] = json.loads(text)
+    return canonical
+
+
 class AFDConnectorBase(ABC):
     """Abstract base of every AFD connector.
 
@@ -136,6 +160,7 @@ class AFDConnectorBase(ABC):
         device: torch.device | str | None = None,
         role_agreement: Mapping[str, Any] | None = None,
         ready_hook: ReadyHook | None = None,
+        model_identity: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(config, AFDConfig):
             raise AFDConfigError("config", type(config).__name__, "an AFDConfig")
@@ -166,6 +191,7 @@ class AFDConnectorBase(ABC):
             ) from None
         if role_agreement is not None and not isinstance(role_agreement, Mapping):
             raise AFDConfigError("role_agreement", role_agreement, "None or a mapping")
+        identity = _canonical_identity(model_identity)
         if ready_hook is not None and not callable(ready_hook):
             raise AFDConfigError("ready_hook", ready_hook, "None or a callable(connector)")
         self.config = config
@@ -174,6 +200,10 @@ class AFDConnectorBase(ABC):
         #: Values every rank of this rank's role must publish equal at init (e.g. the FFN ranks'
         #: quantization geometry); ranks of the other role do not compare them.
         self.role_agreement: dict[str, Any] = dict(role_agreement or {})
+        #: What identifies the served model (e.g. ``{"config": ..., "weights": ...}``, see
+        #: ``afd_runtime.identity``); every rank of both roles must publish it equal at init.
+        #: Held as its canonical JSON form (string keys, lists, finite numbers).
+        self.model_identity: dict[str, Any] = identity
         self.ready_hook = ready_hook
         self.payload_spec = payload_spec
         self.num_layers = num_layers
@@ -453,15 +483,18 @@ def create_connector(
     topology: AFDTopology | None = None,
     role_agreement: Mapping[str, Any] | None = None,
     ready_hook: ReadyHook | None = None,
+    model_identity: Mapping[str, Any] | None = None,
 ) -> AFDConnectorBase:
     """Construct (not initialise) the connector ``config.connector`` for ``role_rank``
-    (``role_agreement`` and ``ready_hook``: see :class:`AFDConnectorBase`)."""
+    (``role_agreement``, ``ready_hook`` and ``model_identity``: see :class:`AFDConnectorBase`)."""
     cls = get_connector_class(config.connector)
     kwargs: dict[str, Any] = {}
     if role_agreement is not None:
         kwargs["role_agreement"] = role_agreement
     if ready_hook is not None:
         kwargs["ready_hook"] = ready_hook
+    if model_identity is not None:
+        kwargs["model_identity"] = model_identity
     return cls(
         config,
         topology,

@@ -99,17 +99,22 @@ class AFDHandshakeError(AFDConnectorError):
         local: this rank's value.
         remote: the peer's value.
         peer_rank: the peer's world rank.
+
+    ``hint`` (optional) is appended to the message: what the difference means to the user.
     """
 
-    def __init__(self, field: str, local: Any, remote: Any, peer_rank: int) -> None:
+    def __init__(
+        self, field: str, local: Any, remote: Any, peer_rank: int, *, hint: str | None = None
+    ) -> None:
         self.field = field
         self.local = local
         self.remote = remote
         self.peer_rank = peer_rank
-        super().__init__(
+        msg = (
             f"AFD handshake mismatch on field {field!r}: this rank has {local!r}, "
             f"world rank {peer_rank} has {remote!r}"
         )
+        super().__init__(f"{msg} ({hint})" if hint else msg)
 
 
 class AFDReadyHookError(AFDConnectorError):

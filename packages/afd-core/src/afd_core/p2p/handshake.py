@@ -2,13 +2,18 @@
 
 Every field must match on every rank of the world; the first difference raises
 :class:`AFDHandshakeError` naming it (the protocol version first, then each config agreement
-field, then the rest, the payload spec field by field), so a mismatch fails on both sides.
-``role_agreement`` (e.g. the FFN ranks' quantization geometry) is compared only between ranks of
-the same role (``role_agreement.<key>``).
+field, then the rest, the payload spec field by field, then the model identity), so a mismatch
+fails on both sides. ``model_identity`` (what the served checkpoint is, e.g. its config and
+weight files, see ``afd_runtime.identity``) is compared across every rank of both roles and named
+down to the first differing leaf in sorted key order (``model_identity.config.hidden_act``,
+``model_identity.weights['model.safetensors'].samples``); a key one side lacks reads as
+``None``. ``role_agreement`` (e.g. the FFN ranks' quantization geometry) is compared only
+between ranks of the same role (``role_agreement.<key>``).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,8 +33,10 @@ def _handshake_fields(
     num_layers: int,
     device: torch.device,
     role_agreement: Mapping[str, Any] | None = None,
+    model_identity: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The handshake publication of a rank with this config, topology, spec and device."""
+    """The handshake publication of a rank with this config, topology, spec and device
+    (``model_identity`` already in its canonical JSON form, see ``AFDConnectorBase``)."""
     return {
         "role": config.role.value,
         "role_agreement": dict(role_agreement or {}),
@@ -42,7 +49,32 @@ def _handshake_fields(
         "topology": [topology.num_attention_ranks, topology.num_ffn_ranks],
         "payload_spec": payload_spec.to_wire(),
         "device_type": device.type,
+        "model_identity": dict(model_identity or {}),
     }
+
+
+MODEL_MISMATCH_HINT = (
+    "the roles serve different models: start every role on the same checkpoint (config and "
+    "weight files) with the same model overrides"
+)
+
+_PLAIN_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _child_path(path: str, key: str) -> str:
+    return f"{path}.{key}" if _PLAIN_KEY.fullmatch(key) else f"{path}[{key!r}]"
+
+
+def _first_difference(path: str, mine: Any, theirs: Any) -> tuple[str, Any, Any] | None:
+    """``(path, mine, theirs)`` of the first differing leaf (mappings are descended in sorted
+    key order, a missing key reads as ``None``); ``None`` when equal."""
+    if isinstance(mine, Mapping) and isinstance(theirs, Mapping):
+        for key in sorted(set(mine) | set(theirs), key=str):
+            found = _first_difference(_child_path(path, str(key)), mine.get(key), theirs.get(key))
+            if found is not None:
+                return found
+        return None
+    return None if mine == theirs else (path, mine, theirs)
 
 
 def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer: int) -> None:
@@ -77,6 +109,11 @@ def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer:
                             peer,
                         )
             raise AFDHandshakeError(key, mine[key], theirs.get(key), peer)
+    found = _first_difference(
+        "model_identity", mine["model_identity"], theirs.get("model_identity") or {}
+    )
+    if found is not None:
+        raise AFDHandshakeError(*found, peer, hint=MODEL_MISMATCH_HINT)
     if theirs.get("role") == mine["role"]:
         # Same role: their own agreement too (e.g. FFN ranks' quantization geometry).
         their_role = theirs.get("role_agreement") or {}

@@ -70,6 +70,7 @@ class _P2PLifecycle(AFDConnectorBase):
         device: torch.device | str | None = None,
         role_agreement: Mapping[str, Any] | None = None,
         ready_hook: ReadyHook | None = None,
+        model_identity: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(
             config,
@@ -80,6 +81,7 @@ class _P2PLifecycle(AFDConnectorBase):
             device=device,
             role_agreement=role_agreement,
             ready_hook=ready_hook,
+            model_identity=model_identity,
         )
         self.backend = backend_for_device(self.device)
         self._device_type = self.device.type
@@ -193,6 +195,7 @@ class _P2PLifecycle(AFDConnectorBase):
             self.num_layers,
             self.device,
             self.role_agreement,
+            self.model_identity,
         )
 
     def group_info(self) -> AFDGroupInfo:

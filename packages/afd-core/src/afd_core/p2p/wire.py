@@ -29,7 +29,7 @@ ahead: the Attention side mirrors the FFN side's rule).
    ``ready`` barrier.
 6: initialisation rounds opened by world rank 0 (``afd/round``; a rank claimed in a stale round
    waits for the next); FFN ranks beat a heartbeat (``alive/<rank>``) the Attention ranks
-   watch."""
+   watch; the handshake carries ``model_identity`` (compared across both roles)."""
 
 CONTROL_WORDS = 64
 """Fixed length (int64 words) of a control message on the wire (room for 59 stages)."""

@@ -38,6 +38,7 @@ from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 from afd_runtime.attention_link import AFDFFNUnavailableError, AttentionLink
 from afd_runtime.compute import AFDFFNModel, select_ffn_compute
 from afd_runtime.ffn_service import FFNService
+from afd_runtime.identity import model_identity
 from afd_runtime.quantized import QuantizedFFNCompute
 from afd_runtime.roles import report_param_bytes, require_afd_config, role_rank
 
@@ -87,13 +88,15 @@ def build_connector(
     *,
     role_agreement: Mapping[str, Any] | None = None,
     ready_hook: ReadyHook | None = None,
+    model_identity: Mapping[str, Any] | None = None,
 ) -> AFDConnectorBase:
     """The connector ``cfg.connector`` for this role rank (constructed, not initialised).
 
     ``num_layers`` is ``max(layers) + 1``: the connector's layer index is the decoder layer
     index, which both roles derive from the same checkpoint config. ``role_agreement`` and
     ``ready_hook``: see :class:`afd_core.connector.AFDConnectorBase` (the FFN role's quantized
-    compute uses them)."""
+    compute uses them); ``model_identity``: what both roles serve
+    (:func:`afd_runtime.identity.model_identity`), compared across every rank at init."""
     return create_connector(
         cfg,
         rank,
@@ -102,6 +105,7 @@ def build_connector(
         device=device,
         role_agreement=role_agreement,
         ready_hook=ready_hook,
+        model_identity=model_identity,
     )
 
 
@@ -158,7 +162,14 @@ class AFDAttentionWorkerMixin:
                 "Attention model (afd_payload_spec, afd_moe_layer_indices); is the afd-models "
                 "plugin installed?"
             )
-        connector = build_connector(cfg, rank, spec, tuple(layers), _worker_device(self))
+        connector = build_connector(
+            cfg,
+            rank,
+            spec,
+            tuple(layers),
+            _worker_device(self),
+            model_identity=model_identity(self.vllm_config),
+        )
         link = AttentionLink(connector, name=f"rank {rank}")
         link.connect()
         self._afd_link = link
@@ -233,6 +244,7 @@ class AFDFFNWorkerMixin:
                 print(line, flush=True)
             agreement = compute.role_agreement()
             hook = compute.bind if compute.needs_bind else None
+        identity = model_identity(self.vllm_config)
         self._afd_config = cfg
         self._afd_service = FFNService(
             cfg,
@@ -240,7 +252,14 @@ class AFDFFNWorkerMixin:
             layers,
             compute,
             lambda: build_connector(
-                cfg, rank, spec, layers, device, role_agreement=agreement, ready_hook=hook
+                cfg,
+                rank,
+                spec,
+                layers,
+                device,
+                role_agreement=agreement,
+                ready_hook=hook,
+                model_identity=identity,
             ),
         )
 
