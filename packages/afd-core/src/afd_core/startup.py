@@ -32,6 +32,7 @@ from afd_core.errors import AFDConfigError, AFDStartupError, AFDTimeoutError
 
 __all__ = ["StartupCoordinator", "StartupFailure", "open_tcp_store"]
 
+
 @dataclass
 class _ServedStore:
     """A master's store server and, with a deployment secret, the gate in front of it."""
