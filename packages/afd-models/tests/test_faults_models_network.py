@@ -200,3 +200,49 @@ def _afd_port(argv: tuple[str, ...]) -> int:
 
     config = json.loads(argv[list(argv).index("--additional-config") + 1])
     return int(config["afd"]["port"])
+
+
+#: A role refused for a missing secret must exit within this many seconds of its start.
+REFUSAL_BOUND_S = 300.0
+
+
+@pytest.mark.timeout(900)
+def test_non_loopback_host_without_secret_is_refused_at_startup(
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """An Attention role configured with a host that is not loopback but no ``AFD_SECRET``
+    exits non-zero naming the variable, before it opens the store (no address is contacted:
+    the name is refused before it is resolved)."""
+    import time
+
+    base = parity_options(checkpoint, OPTIONS)
+    env = {k: v for k, v in base.env.items() if k != "AFD_SECRET"}
+    attention, _ = afd_servers(
+        checkpoint,
+        log_dir=_log_root(tmp_path_factory),
+        options=dataclasses.replace(base, env=env),
+        num_attention_ranks=1,
+        gate_on_attention=False,
+        afd_extra={"host": "afd-store.invalid"},
+        prefix="net-nosecret",
+        progress=print,
+    )
+    saved = os.environ.pop("AFD_SECRET", None)
+    try:
+        attention.start()
+    finally:
+        if saved is not None:
+            os.environ["AFD_SECRET"] = saved
+    started = time.monotonic()
+    try:
+        while attention.poll() is None and time.monotonic() - started < REFUSAL_BOUND_S:
+            time.sleep(1.0)
+        code = attention.poll()
+        elapsed = time.monotonic() - started
+    finally:
+        print(attention.stop())
+    log = attention.log_text()
+    assert code is not None and code != 0, (code, attention.log_tail())
+    assert "AFD_SECRET" in log and "afd-store.invalid" in log, attention.log_tail()
+    assert "not a loopback address" in log
+    print(f"refused after {elapsed:.1f}s")
