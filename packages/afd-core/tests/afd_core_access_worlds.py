@@ -136,7 +136,7 @@ def secret_rank(rank: int, host: str, port: int, secrets: list[str | None]) -> d
     _set_secret(secrets[rank])
     topo = AFDTopology(1, 1)
     role, role_rank = topo.role_of(rank)
-    cfg = AFDConfig(role=role, host=host, port=port, timeout_s=8.0, startup_timeout_s=8.0)
+    cfg = AFDConfig(role=role, host=host, port=port, timeout_s=20.0, startup_timeout_s=20.0)
     spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32)
     conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=1)
     started = time.monotonic()
