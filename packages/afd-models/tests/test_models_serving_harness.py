@@ -421,6 +421,29 @@ def test_afd_servers_give_ffn_extra_and_ffn_env_to_the_ffn_servers_only(tmp_path
     assert dict(ffn.config.env) == dict(att.config.env) == dict(opts.env)
 
 
+def test_afd_servers_run_the_ffn_under_a_prefix_on_its_own_http_host(tmp_path: Path) -> None:
+    prefix = ("ip", "netns", "exec", "afd-test-ns")
+    att, (ffn,) = afd_servers(
+        "/m",
+        log_dir=tmp_path,
+        options=EngineOptions(),
+        num_attention_ranks=1,
+        gate_on_attention=False,
+        ffn_argv_prefix=prefix,
+        ffn_http_host="10.231.0.2",
+    )
+    assert ffn.config.argv[:4] == prefix
+    assert ffn.config.argv[4:7] == (sys.executable, "-m", "afd_models.cli")
+    argv = list(ffn.config.argv)
+    assert argv[argv.index("--host") + 1] == "10.231.0.2"
+    assert ffn.base_url == f"http://10.231.0.2:{ffn.config.port}"
+    # The Attention server is untouched: no prefix, loopback HTTP.
+    assert att.config.argv[0] == sys.executable
+    att_argv = list(att.config.argv)
+    assert att_argv[att_argv.index("--host") + 1] == "127.0.0.1"
+    assert att.base_url == f"http://127.0.0.1:{att.config.port}"
+
+
 def test_afd_servers_reject_core_ffn_extra_keys(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="ffn_extra key 'ffn_rank' would override"):
         afd_servers(

@@ -18,6 +18,7 @@ from afd_core.connector import (
     register_connector,
 )
 from afd_core.errors import (
+    AFDAccessError,
     AFDConfigError,
     AFDConnectorError,
     AFDContextError,
@@ -53,6 +54,7 @@ __version__ = _version("afd-core")
 
 __all__ = [
     "PAYLOAD_FIELDS",
+    "AFDAccessError",
     "AFDConfig",
     "AFDConfigError",
     "AFDConnectorBase",

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 __all__ = [
+    "AFDAccessError",
     "AFDConfigError",
     "AFDConnectorError",
     "AFDContextError",
@@ -81,6 +82,12 @@ class AFDRegistryError(AFDError, ValueError):
 
 class AFDConnectorError(AFDError, RuntimeError):
     """Base class of connector runtime failures (initialisation, transfer, shutdown)."""
+
+
+class AFDAccessError(AFDConnectorError):
+    """This rank may not join the store it reached: the deployment secret (``AFD_SECRET``)
+    differs from the store's, or the store serves without one. Raised before any key is read or
+    written; the message never contains the secret."""
 
 
 class AFDNotInitializedError(AFDConnectorError):

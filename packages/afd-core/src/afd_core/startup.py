@@ -18,6 +18,8 @@ Invariants:
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,15 +27,34 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from afd_core.access import StoreGate, StoreTunnel, listen_socket
 from afd_core.errors import AFDConfigError, AFDStartupError, AFDTimeoutError
 
 __all__ = ["StartupCoordinator", "StartupFailure", "open_tcp_store"]
 
-_MASTER_STORES: dict[tuple[str, int], dist.TCPStore] = {}
+
+@dataclass
+class _ServedStore:
+    """A master's store server and, with a deployment secret, the gate in front of it."""
+
+    store: dist.TCPStore
+    gate: StoreGate | None
 
 
-def open_tcp_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
+_MASTER_STORES: dict[tuple[str, int], _ServedStore] = {}
+
+
+def open_tcp_store(
+    host: str, port: int, *, is_master: bool, timeout_s: float, secret: bytes | None = None
+) -> dist.TCPStore:
     """Open the TCPStore at ``host:port`` (the master also serves it).
+
+    The master's store listens only on ``host`` (never on every interface). With a deployment
+    ``secret`` (see :mod:`afd_core.access`) the store itself listens on an ephemeral loopback
+    port and ``host:port`` is a :class:`~afd_core.access.StoreGate` admitting only connections
+    that prove the secret; a client then authenticates to it before torch's store client
+    connects (:class:`~afd_core.access.StoreTunnel`), raising
+    :class:`~afd_core.errors.AFDAccessError` when the secrets differ.
 
     The master's store server is cached per ``(host, port)`` for the life of the process so that
     a connector can be closed and initialised again without re-binding the port (clients of a
@@ -44,16 +65,60 @@ def open_tcp_store(host: str, port: int, *, is_master: bool, timeout_s: float) -
     if is_master:
         cached = _MASTER_STORES.get((host, port))
         if cached is not None:
-            return cached
-        store = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
-        _MASTER_STORES[(host, port)] = store
+            return cached.store
+        if secret is None:
+            listener = listen_socket(host, port)
+            store = _serve_store(host, listener, timeout)
+            _MASTER_STORES[(host, port)] = _ServedStore(store, None)
+            return store
+        public = listen_socket(host, port)  # first: a port in use fails before anything runs
+        try:
+            backend = listen_socket("127.0.0.1", 0)
+            backend_port = int(backend.getsockname()[1])
+            store = _serve_store("127.0.0.1", backend, timeout)
+        except BaseException:
+            public.close()
+            raise
+        gate = StoreGate(public, ("127.0.0.1", backend_port), secret)
+        _MASTER_STORES[(host, port)] = _ServedStore(store, gate)
         return store
-    return dist.TCPStore(host, port, None, False, timeout=timeout)
+    if secret is None:
+        return dist.TCPStore(host, port, None, False, timeout=timeout)
+    tunnel = StoreTunnel(host, port, secret, timeout_s)
+    try:
+        return dist.TCPStore("127.0.0.1", tunnel.port, None, False, timeout=timeout)
+    finally:
+        tunnel.close()
+
+
+def _serve_store(host: str, listener: socket.socket, timeout: timedelta) -> dist.TCPStore:
+    """A master TCPStore serving on ``listener`` (bound and listening; the store owns it)."""
+    port = int(listener.getsockname()[1])
+    fd = listener.detach()
+    try:
+        return dist.TCPStore(
+            host,
+            port,
+            None,
+            True,
+            timeout=timeout,
+            wait_for_workers=False,
+            master_listen_fd=fd,
+            use_libuv=True,  # the backend that serves on a socket it is given
+        )
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def release_store_servers() -> None:
-    """Drop the cached master stores (their servers stop once no connector uses them)."""
+    """Drop the cached master stores (their servers stop once no connector uses them) and close
+    their gates."""
+    served = list(_MASTER_STORES.values())
     _MASTER_STORES.clear()
+    for entry in served:
+        if entry.gate is not None:
+            entry.gate.close()
 
 
 @dataclass(frozen=True)

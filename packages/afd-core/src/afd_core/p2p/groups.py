@@ -35,11 +35,25 @@ def backend_for_device(device: torch.device | str) -> str:
 
 
 def make_process_group(
-    backend: str, store: dist.Store, rank: int, world_size: int, timeout: timedelta
+    backend: str,
+    store: dist.Store,
+    rank: int,
+    world_size: int,
+    timeout: timedelta,
+    *,
+    bind_address: str | None = None,
 ) -> Any:
-    """A standalone process group (not registered as torch's default group)."""
+    """A standalone process group (not registered as torch's default group).
+
+    gloo: with ``bind_address`` its device (and so its listening socket) is created on that
+    address only (see :func:`afd_core.access.local_address`)."""
     if backend == "gloo":
-        return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        if bind_address is None:
+            return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+        gopts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]
+        gopts._timeout = timeout
+        gopts._devices = [dist.ProcessGroupGloo.create_device(hostname=bind_address)]
+        return dist.ProcessGroupGloo(store, rank, world_size, gopts)
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

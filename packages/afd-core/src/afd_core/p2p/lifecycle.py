@@ -25,6 +25,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from afd_core.access import deployment_secret, local_address
 from afd_core.buffers import RecvBufferPool
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnectorBase, AFDGroupInfo, AFDTransferHandle, ReadyHook
@@ -220,6 +221,8 @@ class _P2PLifecycle(AFDConnectorBase):
             return
         self._clear_failure()
         stage = "connect"
+        # Before any socket opens: a non-loopback host without AFD_SECRET is refused here.
+        secret = deployment_secret(self.config.host)
         try:
             startup_s = self.config.startup_timeout_s
             deadline = time.monotonic() + startup_s
@@ -228,7 +231,9 @@ class _P2PLifecycle(AFDConnectorBase):
                 self.config.port,
                 is_master=self.world_rank == 0,
                 timeout_s=startup_s,
+                secret=secret,
             )
+            bind_address = local_address(self.config.host, self.config.port)
             self._store = root
             stage = "claim"
             self._generation = self._claim_round(root, deadline)
@@ -251,6 +256,7 @@ class _P2PLifecycle(AFDConnectorBase):
                 self.world_rank,
                 self.topology.world_size,
                 _LONG_WAIT,
+                bind_address=bind_address,
             )
             self._data_pg = make_process_group(
                 self.backend,
@@ -258,6 +264,7 @@ class _P2PLifecycle(AFDConnectorBase):
                 self.world_rank,
                 self.topology.world_size,
                 self._timeout,
+                bind_address=bind_address,
             )
             if self.ready_hook is not None:
                 stage = "ready_hook"

@@ -115,8 +115,10 @@ def vllm_serve_command(
     extra_args: Sequence[str] = (),
     max_model_len: int = 512,
     python: str | None = None,
+    host: str = "127.0.0.1",
 ) -> list[str]:
-    """The argv of ``vllm serve MODEL --port PORT ...`` run as ``python -m afd_models.cli serve``."""
+    """The argv of ``vllm serve MODEL --host HOST --port PORT ...`` run as
+    ``python -m afd_models.cli serve``."""
     if not 0 < port < 65536:
         raise ValueError(f"port={port!r} must be in 1..65535")
     if max_model_len <= 0:
@@ -128,7 +130,7 @@ def vllm_serve_command(
         "serve",
         str(model),
         "--host",
-        "127.0.0.1",
+        host,
         "--port",
         str(port),
         "--max-model-len",
@@ -625,6 +627,8 @@ def afd_servers(
     afd_extra: Mapping[str, Any] | None = None,
     ffn_extra: Mapping[str, Any] | None = None,
     ffn_env: Mapping[str, str] | None = None,
+    ffn_argv_prefix: Sequence[str] = (),
+    ffn_http_host: str = "127.0.0.1",
     prefix: str = "afd",
     progress: Progress | None = None,
 ) -> tuple[VLLMServer, tuple[VLLMServer, ...]]:
@@ -639,6 +643,10 @@ def afd_servers(
     ``afd_extra`` goes into every role's AFD mapping, ``ffn_extra`` into the FFN ranks' only (see
     :func:`afd_config`); ``ffn_env`` is overlaid on every FFN server's environment (after
     ``options.env``), never the Attention server's.
+
+    ``ffn_argv_prefix`` runs every FFN server under a wrapper that execs it (e.g.
+    ``("ip", "netns", "exec", NS)``: the server keeps its pid and session, so stop/kill work as
+    usual); ``ffn_http_host`` is the address its HTTP server listens on and is probed at.
     """
     if num_ffn_ranks < 1:
         raise ValueError(f"num_ffn_ranks={num_ffn_ranks!r} must be >= 1")
@@ -676,13 +684,18 @@ def afd_servers(
         name = ffn_server_name(prefix, rank, num_ffn_ranks)
         launches.append((name, port, role_args, dict(ffn_server_env)))
     servers = []
-    for name, port, role_args, env in launches:
+    for index, (name, port, role_args, env) in enumerate(launches):
+        is_ffn = index > 0
+        http_host = ffn_http_host if is_ffn else "127.0.0.1"
         argv = vllm_serve_command(
             model,
             port,
             extra_args=[*options.args(), *role_args],
             max_model_len=options.max_model_len,
+            host=http_host,
         )
+        if is_ffn:
+            argv = [*ffn_argv_prefix, *argv]
         cfg = ServerConfig(
             name=name,
             argv=tuple(argv),
@@ -690,6 +703,7 @@ def afd_servers(
             log_path=Path(log_dir) / f"{name}.log",
             env=env,
             startup_timeout_s=options.startup_timeout_s,
+            host=http_host,
         )
         servers.append(VLLMServer(cfg, progress))
     return servers[0], tuple(servers[1:])
