@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import json
 import math
 import time
@@ -44,6 +45,16 @@ from afd_core.p2p.recv_ahead import RECV_AHEAD_BYTES, _PendingRecv, _PostedRecv,
 from afd_core.p2p.wire import CONTROL_WORDS, _StageTags
 from afd_core.startup import StartupCoordinator, open_tcp_store
 from afd_core.topology import AFDTopology
+
+
+def _address_in_use(err: BaseException) -> bool:
+    """Whether ``err`` is a listening socket's "address already in use": an ``OSError`` with
+    ``EADDRINUSE`` from a socket bound here, or torch's ``DistNetworkError`` (which carries the
+    errno only in its text) from ``TCPStore``'s own bind."""
+    if isinstance(err, OSError) and err.errno == errno.EADDRINUSE:
+        return True
+    text = str(err)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 class _P2PLifecycle(AFDConnectorBase):
@@ -208,12 +219,7 @@ class _P2PLifecycle(AFDConnectorBase):
         try:
             startup_s = self.config.startup_timeout_s
             deadline = time.monotonic() + startup_s
-            root = open_tcp_store(
-                self.config.host,
-                self.config.port,
-                is_master=self.world_rank == 0,
-                timeout_s=startup_s,
-            )
+            root = self._open_store(startup_s)
             self._store = root
             self._generation = int(root.add(f"afd/inits/{self.world_rank}", 1))
             ns = dist.PrefixStore(f"afd/g{self._generation}", root)
@@ -278,6 +284,32 @@ class _P2PLifecycle(AFDConnectorBase):
                 ) from err
             raise AFDPeerError(None, stage, f"{type(err).__name__}: {err}") from err
         self._initialized = True
+
+    def _open_store(self, timeout_s: float) -> Any:
+        """The rendezvous store (world rank 0 serves it on ``host:port``).
+
+        Raises:
+            AFDConfigError: ``port`` is already in use on this host (world rank 0 only: the
+                store server cannot bind it). Without this, the bind failure would read as a
+                failed peer, and the other role would wait out its startup timeout.
+        """
+        is_master = self.world_rank == 0
+        try:
+            return open_tcp_store(
+                self.config.host, self.config.port, is_master=is_master, timeout_s=timeout_s
+            )
+        except Exception as err:
+            if not (is_master and _address_in_use(err)):
+                raise
+            raise AFDConfigError(
+                "port",
+                self.config.port,
+                f"a TCP port free on {self.config.host} (world rank 0, the first Attention "
+                "rank, serves the AFD rendezvous store there; set the same free port on every "
+                "role)",
+                detail=f"{self.config.host}:{self.config.port} is already in use by another "
+                f"process: {type(err).__name__}: {err}",
+            ) from err
 
     def _remaining(self, deadline: float) -> float:
         return max(deadline - time.monotonic(), 0.001)
