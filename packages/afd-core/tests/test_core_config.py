@@ -358,9 +358,7 @@ def test_additional_config_json_text_parses_to_the_mapping() -> None:
         ("", "line 1 column 1 (char 0)"),
     ],
 )
-def test_malformed_additional_config_names_the_flag_and_the_position(
-    text: str, where: str
-) -> None:
+def test_malformed_additional_config_names_the_flag_and_the_position(text: str, where: str) -> None:
     for parse in (parse_additional_config_json, parse_afd_config):
         with pytest.raises(AFDConfigError) as info:
             parse(text)
@@ -376,7 +374,7 @@ def test_malformed_additional_config_shows_the_text_around_the_error() -> None:
     with pytest.raises(AFDConfigError) as info:
         parse_additional_config_json(text)
     # 24 characters on each side of the position (char 44, where a comma is missing)
-    expected = "'tention\", \"port\": 29700 ' <-- here --> '\"num_ffn_ranks\": 1}}'"
+    expected = '\'tention", "port": 29700 \' <-- here --> \'"num_ffn_ranks": 1}}\''
     assert "Expecting ',' delimiter at line 1 column 45 (char 44)" in str(info.value)
     assert expected in str(info.value)
 

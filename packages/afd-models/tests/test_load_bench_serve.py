@@ -152,9 +152,7 @@ def test_bench_serve_load_on_2to1_pair(tmp_path_factory: pytest.TempPathFactory)
     model = ensure_tiny_checkpoint(TinySpec("qwen3_moe"), root)
     log_dir = _log_dir(tmp_path_factory)
 
-    plain = plain_server(
-        model, log_dir=log_dir, options=OPTIONS, name="load-plain", progress=print
-    )
+    plain = plain_server(model, log_dir=log_dir, options=OPTIONS, name="load-plain", progress=print)
     plain.start()
     try:
         wait_until_healthy([plain])

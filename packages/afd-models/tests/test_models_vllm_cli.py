@@ -73,7 +73,11 @@ def test_additional_config_texts_finds_every_spelling() -> None:
         ('{"afd": {"role": "ffn", "prot": 29700}}', "prot", "unknown AFD config key"),
         ('{"afd": {"role": "fnn"}}', "role", "'attention', 'ffn'"),
         ('{"afd": {"role": "ffn", "port": "29 700"}}', "port", "an integer"),
-        ('{"afd": {"role": "ffn", "num_attention_ranks": 1.5}}', "num_attention_ranks", "an integer"),
+        (
+            '{"afd": {"role": "ffn", "num_attention_ranks": 1.5}}',
+            "num_attention_ranks",
+            "an integer",
+        ),
         (
             '{"afd": {"role": "ffn", "compute_gate_on_attention": "maybe"}}',
             "compute_gate_on_attention",

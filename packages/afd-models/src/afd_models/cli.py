@@ -19,7 +19,9 @@ Subcommands:
   :mod:`afd_models.demo.bench`); prints tables, writes JSON.
 * ``afd serve ...`` — ``vllm serve ...`` (see :mod:`afd_models.vllm_cli`); a malformed
   ``--additional-config`` or an invalid ``afd`` mapping exits with status 2 before vLLM starts,
-  the message naming the flag (and where the JSON breaks) or the AFD field.
+  and so does an AFD setting refused when vLLM builds its config (``--data-parallel-size``
+  disagreeing with ``num_attention_ranks``), the message naming the flag (and where the JSON
+  breaks) or the AFD field.
 
 ``demo``, ``bench`` and ``tiny`` use :mod:`afd_models.demo`, imported only when they run: ``afd serve`` needs
 neither that subpackage nor the ``demo`` extra's packages (``python -m afd_models.cli serve ...``
@@ -325,12 +327,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args[:1] == ["serve"]:
         # `afd serve ...` is `vllm serve ...`, usable where the stock `vllm` script is broken.
         from afd_core.errors import AFDConfigError
+
         from afd_models.vllm_cli import run_vllm_cli
 
         try:
             run_vllm_cli(args)
         except AFDConfigError as e:
-            # Raised before vLLM starts: bad --additional-config JSON or AFD mapping.
+            # Raised before any engine starts: bad --additional-config JSON or AFD mapping
+            # (checked before vLLM is imported), or a setting the AFD config patch refuses when
+            # vLLM builds its config in this process (e.g. --data-parallel-size mismatch).
             print(f"afd serve: error: {e}", file=sys.stderr, flush=True)
             return EXIT_USAGE
         return EXIT_OK
