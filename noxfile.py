@@ -178,6 +178,15 @@ def faults(session: nox.Session) -> None:
     session.run("pytest", "packages", "-m", "faults", *session.posargs)
 
 
+@nox.session(python=PYTHON, tags=["cpu", "load"])
+def load(session: nox.Session) -> None:
+    """vLLM's own `bench serve` client against a 2:1 AFD pair (256 requests at concurrency 32,
+    zero failures, then token parity with plain vLLM; marker load). Writes
+    packages/afd-models/benchmarks/results/load.json."""
+    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
+    session.run("pytest", "packages", "-m", "load", *session.posargs)
+
+
 @nox.session(python=PYTHON, default=False, tags=["bench"])
 def bench(session: nox.Session) -> None:
     """Every packages/*/benchmarks/bench_*.py, then ``afd bench`` (serving TPOT, AFD vs plain);

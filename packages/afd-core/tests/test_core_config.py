@@ -7,10 +7,12 @@ from typing import Any
 
 import pytest
 from afd_core.config import (
+    ADDITIONAL_CONFIG_FLAG,
     CONFIG_FIELDS,
     AFDConfig,
     AFDConfigError,
     AFDRole,
+    parse_additional_config_json,
     parse_afd_config,
 )
 
@@ -329,6 +331,69 @@ def test_parse_afd_config() -> None:
     with pytest.raises(AFDConfigError) as info:
         parse_afd_config({"afd": "ffn"})
     assert info.value.field == "afd"
+
+
+def test_additional_config_json_text_parses_to_the_mapping() -> None:
+    text = '{"afd": {"role": "ffn", "port": 29700}, "other": [1, 2]}'
+    assert parse_additional_config_json(text) == {
+        "afd": {"role": "ffn", "port": 29700},
+        "other": [1, 2],
+    }
+    parsed = parse_afd_config(text)
+    assert parsed is not None and parsed.role is AFDRole.FFN and parsed.port == 29700
+    assert parse_afd_config('{"other": 1}') is None
+
+
+@pytest.mark.parametrize(
+    ("text", "where"),
+    [
+        # truncated: the parser stops at the end of the text
+        ('{"afd": {"role": "ffn",', "line 1 column 24 (char 23)"),
+        # trailing comma inside an object
+        ('{"afd": {"role": "ffn",}}', "line 1 column 24 (char 23)"),
+        # single quotes (a Python dict, not JSON)
+        ("{'afd': {'role': 'ffn'}}", "line 1 column 2 (char 1)"),
+        # a newline in the text: the line and column point into the second line
+        ('{"afd":\n {"role": ffn}}', "line 2 column 11 (char 18)"),
+        ("", "line 1 column 1 (char 0)"),
+    ],
+)
+def test_malformed_additional_config_names_the_flag_and_the_position(text: str, where: str) -> None:
+    for parse in (parse_additional_config_json, parse_afd_config):
+        with pytest.raises(AFDConfigError) as info:
+            parse(text)
+        assert info.value.field == ADDITIONAL_CONFIG_FLAG == "--additional-config"
+        assert info.value.value == text
+        message = str(info.value)
+        assert "not valid JSON" in message and where in message
+        assert "<-- here -->" in message
+
+
+def test_malformed_additional_config_shows_the_text_around_the_error() -> None:
+    text = '{"afd": {"role": "attention", "port": 29700 "num_ffn_ranks": 1}}'
+    with pytest.raises(AFDConfigError) as info:
+        parse_additional_config_json(text)
+    # 24 characters on each side of the position (char 44, where a comma is missing)
+    expected = '\'tention", "port": 29700 \' <-- here --> \'"num_ffn_ranks": 1}}\''
+    assert "Expecting ',' delimiter at line 1 column 45 (char 44)" in str(info.value)
+    assert expected in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"afd"', "42", "null"])
+def test_additional_config_json_must_be_an_object(text: str) -> None:
+    with pytest.raises(AFDConfigError) as info:
+        parse_additional_config_json(text)
+    assert info.value.field == "--additional-config"
+    assert "not an object" in str(info.value)
+
+
+def test_additional_config_json_refuses_a_repeated_key() -> None:
+    text = '{"afd": {"role": "ffn", "port": 1, "role": "attention"}}'
+    with pytest.raises(AFDConfigError) as info:
+        parse_additional_config_json(text)
+    assert info.value.field == "--additional-config"
+    assert info.value.value == text
+    assert "key 'role' appears twice" in str(info.value)
 
 
 def test_agreement_hash_covers_exactly_the_shared_fields() -> None:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import collections
+import errno
+import socket
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +256,38 @@ def test_client_without_store_server_times_out_in_connect() -> None:
         conn.init()
     assert not conn.is_initialized
     conn.close()
+
+
+@pytest.mark.timeout(60)
+def test_store_port_in_use_is_a_config_error_naming_port() -> None:
+    """World rank 0 cannot serve the rendezvous store on a port another process listens on: a
+    config error naming ``port`` and its value at once, not a peer failure or a startup wait."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        cfg = AFDConfig(role=AFDRole.ATTENTION, port=port, timeout_s=30.0, startup_timeout_s=60.0)
+        conn = P2PConnector(cfg, payload_spec=spec(), num_layers=1)
+        began = time.monotonic()
+        with pytest.raises(AFDConfigError) as info:
+            conn.init()
+        elapsed = time.monotonic() - began
+        assert (info.value.field, info.value.value) == ("port", port)
+        assert f"127.0.0.1:{port} is already in use by another process" in str(info.value)
+        assert elapsed < 30.0, f"took {elapsed:.1f}s: waited instead of failing"
+        assert not conn.is_initialized
+        conn.close()
+
+
+def test_address_in_use_recognises_both_bind_failures() -> None:
+    from afd_core.p2p.lifecycle import _address_in_use
+
+    assert _address_in_use(OSError(errno.EADDRINUSE, "Address already in use"))
+    assert _address_in_use(
+        RuntimeError("The server socket has failed to listen ... name: EADDRINUSE, message: x")
+    )
+    assert not _address_in_use(OSError(errno.ECONNREFUSED, "Connection refused"))
+    assert not _address_in_use(TimeoutError("timed out"))
 
 
 def test_p2p_extra_config() -> None:

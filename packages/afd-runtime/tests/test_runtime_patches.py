@@ -127,6 +127,39 @@ def test_data_parallelism_must_match_the_topology() -> None:
     assert ffn.parallel_config.worker_cls == AFD_WORKERS[CPU][1]
 
 
+@pytest.mark.parametrize("text", ['{"afd": {"role": "ffn",', "[1]", "", "afd"])
+def test_unparsed_additional_config_text_is_refused_naming_the_flag(text: str) -> None:
+    with pytest.raises(AFDConfigError) as err:
+        patches.check_additional_config_text(SimpleNamespace(additional_config=text))
+    assert (err.value.field, err.value.value) == ("--additional-config", text)
+
+
+@pytest.mark.parametrize("value", [None, {}, {"afd": {"role": "ffn"}}, '{"afd": {}}'])
+def test_parsed_or_valid_additional_config_is_left_to_vllm(value: Any) -> None:
+    args = SimpleNamespace(additional_config=value)
+    patches.check_additional_config_text(args)
+    assert args.additional_config == value
+
+
+def test_vllm_cli_malformed_additional_config_fails_in_the_patch() -> None:
+    """Through vLLM's own parser: text not shaped like {...} reaches create_engine_config as a
+    str, where the patch refuses it before vLLM builds (and pydantic rejects) the config."""
+    pytest.importorskip("vllm")
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    patches.apply_vllm_patches()
+    text = '{"afd": {"role": "ffn", "port": 29700'
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    ns = parser.parse_args(["--model", "unused-model-dir", "--additional-config", text])
+    engine_args = EngineArgs.from_cli_args(ns)
+    assert engine_args.additional_config == text  # vLLM's parser passed it through
+    with pytest.raises(AFDConfigError) as err:
+        engine_args.create_engine_config()
+    assert (err.value.field, err.value.value) == ("--additional-config", text)
+    assert "line 1 column 38 (char 37)" in str(err.value)  # the end of the text
+
+
 def test_select_afd_worker_rejects_class_objects() -> None:
     with pytest.raises(ValueError, match="worker_cls"):
         patches.select_afd_worker(_vllm_config({"role": "ffn", "port": 1}, worker=object))

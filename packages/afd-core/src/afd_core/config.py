@@ -30,6 +30,7 @@ from typing import Any
 from afd_core.errors import AFDConfigError, AFDRegistryError
 
 __all__ = [
+    "ADDITIONAL_CONFIG_FLAG",
     "AFD_ADDITIONAL_CONFIG_KEY",
     "CONFIG_ALIASES",
     "CONFIG_FIELDS",
@@ -40,11 +41,16 @@ __all__ = [
     "AFDConfig",
     "AFDConfigError",
     "AFDRole",
+    "parse_additional_config_json",
     "parse_afd_config",
 ]
 
 AFD_ADDITIONAL_CONFIG_KEY = "afd"
 """Key under vLLM's ``additional_config`` whose presence enables AFD."""
+
+ADDITIONAL_CONFIG_FLAG = "--additional-config"
+"""The ``vllm serve`` flag carrying ``additional_config`` as JSON text (the field named by
+:func:`parse_additional_config_json`'s errors)."""
 
 CONFIG_FIELDS: tuple[str, ...] = (
     "role",
@@ -455,27 +461,97 @@ class AFDConfig:
         return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+#: Characters of the raw text shown on each side of a JSON syntax error.
+_JSON_CONTEXT_CHARS = 24
+
+
+class _DuplicateKeyError(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKeyError(key)
+        out[key] = value
+    return out
+
+
+def parse_additional_config_json(text: str) -> dict[str, Any]:
+    """Parse the raw text of ``--additional-config`` into the ``additional_config`` mapping.
+
+    Nothing else is validated here (the ``afd`` value is :func:`parse_afd_config`'s job); this
+    only turns text into a mapping, so that a user's typo is reported as the flag's error
+    instead of whatever the consumer of the string says later.
+
+    Raises:
+        AFDConfigError: ``field`` is :data:`ADDITIONAL_CONFIG_FLAG` and ``value`` the text, when
+            the text is not JSON (the message gives the line, column and the text around the
+            position where parsing stopped), is JSON but not an object, or repeats a key within
+            one object (JSON parsers keep the last silently).
+    """
+    if not isinstance(text, str):
+        raise AFDConfigError(ADDITIONAL_CONFIG_FLAG, text, "JSON text (a str)")
+    try:
+        value = json.loads(text, object_pairs_hook=_reject_duplicate_keys)
+    except _DuplicateKeyError as e:
+        raise AFDConfigError(
+            ADDITIONAL_CONFIG_FLAG,
+            text,
+            "a JSON object whose keys are unique within each object",
+            detail=f"key {e.key!r} appears twice in one object; JSON parsers keep the last",
+        ) from None
+    except json.JSONDecodeError as e:
+        before = text[max(e.pos - _JSON_CONTEXT_CHARS, 0) : e.pos]
+        after = text[e.pos : e.pos + _JSON_CONTEXT_CHARS]
+        raise AFDConfigError(
+            ADDITIONAL_CONFIG_FLAG,
+            text,
+            'a JSON object, e.g. \'{"afd": {"role": "attention", "port": 29700}}\'',
+            detail=f"not valid JSON: {e.msg} at line {e.lineno} column {e.colno} "
+            f"(char {e.pos}): {before!r} <-- here --> {after!r}",
+        ) from None
+    if not isinstance(value, dict):
+        raise AFDConfigError(
+            ADDITIONAL_CONFIG_FLAG,
+            text,
+            'a JSON object, e.g. \'{"afd": {"role": "attention", "port": 29700}}\'',
+            detail=f"the JSON is a {type(value).__name__}, not an object",
+        )
+    return value
+
+
 def parse_afd_config(additional_config: Any) -> AFDConfig | None:
     """Parse ``additional_config["afd"]``; ``None`` when AFD is not configured.
 
     Args:
-        additional_config: vLLM's ``additional_config`` mapping, ``None``, or an object with an
-            ``additional_config`` attribute (e.g. a ``VllmConfig``).
+        additional_config: vLLM's ``additional_config`` mapping, ``None``, the raw
+            ``--additional-config`` JSON text (see :func:`parse_additional_config_json`), or an
+            object with an ``additional_config`` attribute (e.g. a ``VllmConfig``).
 
     Raises:
-        AFDConfigError: ``additional_config`` is not a mapping, or the ``afd`` value is invalid.
+        AFDConfigError: ``additional_config`` is not a mapping (or JSON text of one), or the
+            ``afd`` value is invalid.
     """
+    if (
+        additional_config is not None
+        and not isinstance(additional_config, Mapping | str)
+        and hasattr(additional_config, "additional_config")
+    ):
+        additional_config = additional_config.additional_config
+    if isinstance(additional_config, str):
+        additional_config = parse_additional_config_json(additional_config)
     if additional_config is not None and not isinstance(additional_config, Mapping):
-        if hasattr(additional_config, "additional_config"):
-            additional_config = additional_config.additional_config
-        else:
-            raise AFDConfigError(
-                "additional_config", additional_config, "a mapping, None, or a VllmConfig"
-            )
+        raise AFDConfigError(
+            "additional_config",
+            additional_config,
+            "a mapping, JSON object text, None, or a VllmConfig",
+        )
     if additional_config is None:
         return None
-    if not isinstance(additional_config, Mapping):
-        raise AFDConfigError("additional_config", additional_config, "a mapping or None")
     if AFD_ADDITIONAL_CONFIG_KEY not in additional_config:
         return None
     return AFDConfig.from_mapping(additional_config[AFD_ADDITIONAL_CONFIG_KEY])

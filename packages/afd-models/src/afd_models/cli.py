@@ -17,7 +17,11 @@ Subcommands:
   (expert-parallel ``1:F`` deployments included, with the bytes they send per step; the
   quantized FFN computes at ``1:1`` unless ``--no-quantized``), and the raw gloo round trip (see
   :mod:`afd_models.demo.bench`); prints tables, writes JSON.
-* ``afd serve ...`` — ``vllm serve ...`` (see :mod:`afd_models.vllm_cli`).
+* ``afd serve ...`` — ``vllm serve ...`` (see :mod:`afd_models.vllm_cli`); a malformed
+  ``--additional-config`` or an invalid ``afd`` mapping exits with status 2 before vLLM starts,
+  and so does an AFD setting refused when vLLM builds its config (``--data-parallel-size``
+  disagreeing with ``num_attention_ranks``), the message naming the flag (and where the JSON
+  breaks) or the AFD field.
 
 ``demo``, ``bench`` and ``tiny`` use :mod:`afd_models.demo`, imported only when they run: ``afd serve`` needs
 neither that subpackage nor the ``demo`` extra's packages (``python -m afd_models.cli serve ...``
@@ -322,9 +326,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["serve"]:
         # `afd serve ...` is `vllm serve ...`, usable where the stock `vllm` script is broken.
+        from afd_core.errors import AFDConfigError
+
         from afd_models.vllm_cli import run_vllm_cli
 
-        run_vllm_cli(args)
+        try:
+            run_vllm_cli(args)
+        except AFDConfigError as e:
+            # Raised before any engine starts: bad --additional-config JSON or AFD mapping
+            # (checked before vLLM is imported), or a setting the AFD config patch refuses when
+            # vLLM builds its config in this process (e.g. --data-parallel-size mismatch).
+            print(f"afd serve: error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
         return EXIT_OK
     parser = build_parser()
     ns = parser.parse_args(args)

