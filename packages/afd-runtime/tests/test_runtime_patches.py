@@ -184,3 +184,17 @@ def test_apply_patches_refuses_other_vllm(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
     with pytest.raises(UnsupportedVLLMError, match=r"0\.33\.0"):
         patches.apply_vllm_patches()
+
+
+def test_non_loopback_host_without_secret_is_refused_before_anything_changes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("AFD_SECRET", raising=False)
+    cfg = _vllm_config({"role": "ffn", "port": 1, "host": "10.231.0.1"})
+    with pytest.raises(AFDConfigError) as err:
+        patches.select_afd_worker(cfg, on_cpu=True)
+    assert err.value.field == "AFD_SECRET" and "10.231.0.1" in str(err.value)
+    assert cfg.parallel_config.worker_cls == CPU  # refused before anything changed
+    monkeypatch.setenv("AFD_SECRET", "s" * 16)
+    patches.select_afd_worker(cfg, on_cpu=True)
+    assert cfg.parallel_config.worker_cls == AFD_WORKERS[CPU][1]

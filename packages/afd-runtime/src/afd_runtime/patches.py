@@ -7,7 +7,8 @@
    :data:`AFD_SHUTDOWN_TIMEOUT_S` so SIGTERM stops workers gracefully instead of force-killing
    them; on the CPU platform run the engine's one worker in the engine core process
    (:func:`in_process_executor`); refuse data parallelism that cannot match the AFD topology
-   (:func:`check_role_parallelism`). Without AFD config: unchanged, except that
+   (:func:`check_role_parallelism`) and a non-loopback ``host`` without ``AFD_SECRET``
+   (afd-core's ``deployment_secret``). Without AFD config: unchanged, except that
    ``--additional-config`` text vLLM's parser passed through unparsed (not shaped ``{...}``; vLLM
    would reject it with a pydantic error naming neither the flag nor the fault) is refused first
    with afd-core's error naming the flag and where the JSON breaks
@@ -36,6 +37,7 @@ import functools
 import logging
 from typing import Any, Final
 
+from afd_core.access import deployment_secret
 from afd_core.config import AFDConfig, AFDRole, parse_additional_config_json, parse_afd_config
 from afd_core.errors import AFDConfigError
 
@@ -133,6 +135,8 @@ def select_afd_worker(
         return
     pc = vllm_config.parallel_config
     check_role_parallelism(cfg, pc)
+    # A host off loopback needs AFD_SECRET: refuse now, not after the engine has started.
+    deployment_secret(cfg.host)
     current = pc.worker_cls
     if not isinstance(current, str):
         raise ValueError(
