@@ -358,7 +358,7 @@ def idle_kill_rank(rank: int, port: int) -> dict[str, Any]:
     next step with an unbounded ``recv_control`` and must still raise."""
     topo = AFDTopology(1, 1)
     role, role_rank = topo.role_of(rank)
-    cfg = _config(role, port, 1, 1, timeout_s=8.0)
+    cfg = _config(role, port, 1, 1, timeout_s=8.0, startup_timeout_s=60.0)
     spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
     conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=1)
     conn.init()
@@ -390,7 +390,7 @@ def kill_rank(rank: int, port: int, victim: int, point: str) -> dict[str, Any]:
     """2:1 world; ``victim`` SIGKILLs itself at ``point``; survivors report what they raised."""
     topo = AFDTopology(2, 1)
     role, role_rank = topo.role_of(rank)
-    cfg = _config(role, port, 2, 1, timeout_s=8.0)
+    cfg = _config(role, port, 2, 1, timeout_s=8.0, startup_timeout_s=60.0)
     spec = AFDPayloadSpec(hidden_size=64, dtype=torch.float32)
     conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=4)
     conn.init()
