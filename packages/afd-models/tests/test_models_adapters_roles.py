@@ -1,6 +1,7 @@
 """Role construction and weight filtering against the real vLLM model classes on CPU.
 
-For each family (Qwen3-MoE, DeepSeek-V2 with MLA) and each gate placement, the tiny checkpoint is
+For each family (Qwen3-MoE, DeepSeek-V2 with MLA, DeepSeek-V3 routing: ``noaux_tc`` with a
+correction bias, sigmoid, routed scaling 2.5) and each gate placement, the tiny checkpoint is
 loaded three times through vLLM's own loader: plain (no AFD config), Attention role, FFN role.
 Checked, all exactly (``torch.equal``):
 
@@ -32,7 +33,9 @@ from afd_runtime.roles import model_param_bytes
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(600)]
 
-FAMILIES = ("qwen3_moe", "deepseek_v2")
+FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
+#: Expert parallelism routes on the Attention role; DeepSeek-V3's noaux_tc is refused there.
+EP_FAMILIES = ("qwen3_moe", "deepseek_v2")
 
 
 def _free_port() -> int:
@@ -129,6 +132,16 @@ def test_roles_hold_only_their_modules(
     else:
         assert gates_on_ffn and not gates_on_attn
     assert not [n for n in ffn if "attn" in n or "embed" in n or "lm_head" in n or "norm" in n]
+    # DeepSeek-V3's correction bias is used only in expert selection, which runs in the FFN
+    # role's FusedMoE router for either gate placement (one FFN rank).
+    bias = ".mlp.gate.e_score_correction_bias"
+    assert not [n for n in attn if n.endswith(bias)]
+    n_bias = len([n for n in ffn if n.endswith(bias)])
+    assert n_bias == (
+        len(models[(family, "ffn", gate_on_attention)][1].afd_moe_layer_indices)
+        if family == "deepseek_v3"
+        else 0
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -230,6 +243,15 @@ def test_afd_moe_layer_equals_plain_layer(
             got = attn.model.layers[layer].mlp(hidden.clone())
     assert connector.layers == [layer]
     assert torch.equal(got, want)
+    if family == "deepseek_v3":
+        # Routed scaling 2.5 is applied exactly once: by the Attention block (upstream's
+        # MoERunner rule), while the FFN's runner and router keep 1.0.
+        block = ffn.model.layers[layer].mlp
+        assert attn.model.layers[layer].mlp.routed_scaling_factor == 2.5
+        assert block.upstream_routed_scaling_factor == 2.5
+        assert block.experts.routed_scaling_factor == 1.0
+        assert block.experts.router.routed_scaling_factor == 1.0
+        assert block.experts.router.e_score_correction_bias is not None
 
 
 def test_ffn_role_model_refuses_forward(
@@ -330,7 +352,7 @@ class _InProcessExpertParallel(AFDConnectorBase):
         return outs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EP_FAMILIES)
 def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
     vllm_env: None, family: str
 ) -> None:
