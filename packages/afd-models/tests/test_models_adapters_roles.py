@@ -231,19 +231,32 @@ def test_afd_moe_layer_equals_plain_layer(
     ffn_cfg, ffn = models[(family, "ffn", gate_on_attention)]
     layer = ffn.afd_moe_layer_indices[-1]
     assert attn.afd_moe_layer_indices == ffn.afd_moe_layer_indices
+    n = 32
     hidden = torch.randn(
-        5, plain_cfg.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(7)
+        n, plain_cfg.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(7)
     ).to(plain_cfg.model_config.dtype)
     with torch.inference_mode():
-        with _vllm_forward_context(plain_cfg, 5):
+        with _vllm_forward_context(plain_cfg, n):
             want = plain.model.layers[layer].mlp(hidden.clone())
         connector = _InProcessConnector(attn, ffn_cfg, ffn)
-        meta = AFDForwardMetadata(connector=connector, num_tokens=(5,))
+        meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
         with set_afd_forward_metadata(meta):
             got = attn.model.layers[layer].mlp(hidden.clone())
     assert connector.layers == [layer]
     assert torch.equal(got, want)
     if family == "deepseek_v3":
+        # The comparison sees the correction bias: without it the plain layer picks other
+        # experts for some of these tokens.
+        bias = plain.model.layers[layer].mlp.gate.e_score_correction_bias
+        with torch.inference_mode():
+            saved = bias.detach().clone()
+            try:
+                bias.data.zero_()
+                with _vllm_forward_context(plain_cfg, n):
+                    unbiased = plain.model.layers[layer].mlp(hidden.clone())
+            finally:
+                bias.data.copy_(saved)
+        assert not torch.equal(unbiased, want)
         # Routed scaling 2.5 is applied exactly once: by the Attention block (upstream's
         # MoERunner rule), while the FFN's runner and router keep 1.0.
         block = ffn.model.layers[layer].mlp
