@@ -2,7 +2,7 @@
 
 Engines are expensive (30-90 s each on a small CPU box), so servers are shared: one plain
 baseline per model family (its outputs computed once per session) and one AFD deployment per
-case (module-scoped, parametrized): four cases with one FFN rank (two servers each) and four
+case (module-scoped, parametrized): eight cases with one FFN rank (two servers each) and four
 expert-parallel cases with two FFN ranks (three servers each). One deployment runs at a time.
 Each engine logs to ``$AFD_E2E_LOG_DIR`` (default: pytest's tmp dir).
 
@@ -12,7 +12,7 @@ by an ulp before the residual add; the tests still require identical greedy toke
 differed on these checkpoints; if one ever does, report the logprob gap and set a tolerance here
 rather than hide it).
 
-DeepSeek-V2 servers (plain and AFD alike) run with ``--max-num-seqs 1``: vLLM 0.32's CPU MLA path
+DeepSeek-V2/V3 servers (plain and AFD alike) run with ``--max-num-seqs 1``: vLLM 0.32's CPU MLA path
 is not batch invariant (plain vLLM against itself gives a request different greedy tokens when it
 shares a batch with other requests), so token parity is only defined one sequence at a time. The
 client still sends those requests concurrently; Qwen3-MoE is served with real batches.
@@ -65,8 +65,14 @@ class Case:
 CASES = [
     Case("qwen3_moe", 1, False),
     Case("qwen3_moe", 2, False),
+    Case("qwen3_moe", 1, True),
+    Case("qwen3_moe", 2, True),
     Case("deepseek_v2", 1, True),
     Case("deepseek_v2", 2, False),
+    # DeepSeek-V3 routing (noaux_tc grouped top-k, correction bias, sigmoid, scaling 2.5): one
+    # FFN rank only (the bias loads with the FFN's FusedMoE router, see the adapter).
+    Case("deepseek_v3", 1, False),
+    Case("deepseek_v3", 1, True),
     # Expert parallel: each FFN rank holds half of the routed experts (gate on Attention).
     Case("qwen3_moe", 1, True, 2),
     Case("qwen3_moe", 2, True, 2),
@@ -92,7 +98,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     cache = os.environ.get("AFD_TINY_CACHE")
     root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
     return {
-        fam: ensure_tiny_checkpoint(TinySpec(fam), root) for fam in ("qwen3_moe", "deepseek_v2")
+        fam: ensure_tiny_checkpoint(TinySpec(fam), root)
+        for fam in ("qwen3_moe", "deepseek_v2", "deepseek_v3")
     }
 
 

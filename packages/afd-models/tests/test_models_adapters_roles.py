@@ -1,6 +1,7 @@
 """Role construction and weight filtering against the real vLLM model classes on CPU.
 
-For each family (Qwen3-MoE, DeepSeek-V2 with MLA) and each gate placement, the tiny checkpoint is
+For each family (Qwen3-MoE, DeepSeek-V2 with MLA, DeepSeek-V3 routing: ``noaux_tc`` with a
+correction bias, sigmoid, routed scaling 2.5) and each gate placement, the tiny checkpoint is
 loaded three times through vLLM's own loader: plain (no AFD config), Attention role, FFN role.
 Checked, all exactly (``torch.equal``):
 
@@ -32,7 +33,9 @@ from afd_runtime.roles import model_param_bytes
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(600)]
 
-FAMILIES = ("qwen3_moe", "deepseek_v2")
+FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
+#: Expert parallelism routes on the Attention role; DeepSeek-V3's noaux_tc is refused there.
+EP_FAMILIES = ("qwen3_moe", "deepseek_v2")
 
 
 def _free_port() -> int:
@@ -129,6 +132,16 @@ def test_roles_hold_only_their_modules(
     else:
         assert gates_on_ffn and not gates_on_attn
     assert not [n for n in ffn if "attn" in n or "embed" in n or "lm_head" in n or "norm" in n]
+    # DeepSeek-V3's correction bias is used only in expert selection, which runs in the FFN
+    # role's FusedMoE router for either gate placement (one FFN rank).
+    bias = ".mlp.gate.e_score_correction_bias"
+    assert not [n for n in attn if n.endswith(bias)]
+    n_bias = len([n for n in ffn if n.endswith(bias)])
+    assert n_bias == (
+        len(models[(family, "ffn", gate_on_attention)][1].afd_moe_layer_indices)
+        if family == "deepseek_v3"
+        else 0
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -218,18 +231,40 @@ def test_afd_moe_layer_equals_plain_layer(
     ffn_cfg, ffn = models[(family, "ffn", gate_on_attention)]
     layer = ffn.afd_moe_layer_indices[-1]
     assert attn.afd_moe_layer_indices == ffn.afd_moe_layer_indices
+    n = 32
     hidden = torch.randn(
-        5, plain_cfg.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(7)
+        n, plain_cfg.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(7)
     ).to(plain_cfg.model_config.dtype)
     with torch.inference_mode():
-        with _vllm_forward_context(plain_cfg, 5):
+        with _vllm_forward_context(plain_cfg, n):
             want = plain.model.layers[layer].mlp(hidden.clone())
         connector = _InProcessConnector(attn, ffn_cfg, ffn)
-        meta = AFDForwardMetadata(connector=connector, num_tokens=(5,))
+        meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
         with set_afd_forward_metadata(meta):
             got = attn.model.layers[layer].mlp(hidden.clone())
     assert connector.layers == [layer]
     assert torch.equal(got, want)
+    if family == "deepseek_v3":
+        # The comparison sees the correction bias: without it the plain layer picks other
+        # experts for some of these tokens.
+        bias = plain.model.layers[layer].mlp.gate.e_score_correction_bias
+        with torch.inference_mode():
+            saved = bias.detach().clone()
+            try:
+                bias.data.zero_()
+                with _vllm_forward_context(plain_cfg, n):
+                    unbiased = plain.model.layers[layer].mlp(hidden.clone())
+            finally:
+                bias.data.copy_(saved)
+        assert not torch.equal(unbiased, want)
+        # Routed scaling 2.5 is applied exactly once: by the Attention block (upstream's
+        # MoERunner rule), while the FFN's runner and router keep 1.0.
+        block = ffn.model.layers[layer].mlp
+        assert attn.model.layers[layer].mlp.routed_scaling_factor == 2.5
+        assert block.upstream_routed_scaling_factor == 2.5
+        assert block.experts.routed_scaling_factor == 1.0
+        assert block.experts.router.routed_scaling_factor == 1.0
+        assert block.experts.router.e_score_correction_bias is not None
 
 
 def test_ffn_role_model_refuses_forward(
@@ -330,7 +365,7 @@ class _InProcessExpertParallel(AFDConnectorBase):
         return outs
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", EP_FAMILIES)
 def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
     vllm_env: None, family: str
 ) -> None:

@@ -12,6 +12,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
 from afd_models.demo.tiny import (
+    CORRECTION_BIAS_SUFFIX,
     DEMO_PROMPTS,
     TinySpec,
     checkpoint_digest,
@@ -30,6 +31,11 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def deepseek_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return ensure_tiny_checkpoint(TinySpec("deepseek_v2"), tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def deepseek_v3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return ensure_tiny_checkpoint(TinySpec("deepseek_v3"), tmp_path_factory.mktemp("cache"))
 
 
 def test_same_spec_gives_byte_identical_files(tmp_path: Path, qwen_dir: Path) -> None:
@@ -92,13 +98,13 @@ def test_deepseek_config_fits_cpu_mla_and_has_dense_and_moe_layers(deepseek_dir:
     assert cfg["n_routed_experts"] == 8
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2", "deepseek_v3"])
 def test_transformers_loads_every_tensor_and_greedy_text_varies(
-    family: str, qwen_dir: Path, deepseek_dir: Path
+    family: str, qwen_dir: Path, deepseek_dir: Path, deepseek_v3_dir: Path
 ) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = qwen_dir if family == "qwen3_moe" else deepseek_dir
+    path = {"qwen3_moe": qwen_dir, "deepseek_v2": deepseek_dir}.get(family, deepseek_v3_dir)
     model, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
     assert {k: v for k, v in info.items() if v} == {}
     tok = AutoTokenizer.from_pretrained(path)
@@ -113,3 +119,94 @@ def test_transformers_loads_every_tensor_and_greedy_text_varies(
         assert len(set(new)) > 1, f"degenerate greedy output {new} for {prompt!r}"
         outs.append(new)
     assert len(set(outs)) == len(outs)
+
+
+def _v3_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path / "model.safetensors")
+
+
+def test_deepseek_v3_config_has_v3_routing_q_lora_and_cpu_mla_sizes(deepseek_v3_dir: Path) -> None:
+    cfg = json.loads((deepseek_v3_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
+    assert cfg["model_type"] == "deepseek_v3"
+    assert (cfg["topk_method"], cfg["scoring_func"]) == ("noaux_tc", "sigmoid")
+    assert cfg["routed_scaling_factor"] == 2.5
+    assert cfg["norm_topk_prob"] is True
+    assert (cfg["n_routed_experts"], cfg["n_group"], cfg["topk_group"]) == (8, 4, 2)
+    assert cfg["num_experts_per_tok"] == 2
+    assert cfg["q_lora_rank"] == 64
+    assert cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] == 576
+    assert (cfg["hidden_size"], cfg["num_hidden_layers"]) == (128, 4)
+    assert (cfg["first_k_dense_replace"], cfg["n_shared_experts"]) == (1, 1)
+
+
+def test_deepseek_v3_tensors_names_shapes_and_nonzero_bias(deepseek_v3_dir: Path) -> None:
+    t = _v3_tensors(deepseek_v3_dir)
+    for layer in range(4):
+        p = f"model.layers.{layer}."
+        assert t[p + "self_attn.q_a_proj.weight"].shape == (64, 128)
+        assert t[p + "self_attn.q_a_layernorm.weight"].shape == (64,)
+        assert t[p + "self_attn.q_b_proj.weight"].shape == (4 * (32 + 64), 64)
+        assert p + "self_attn.q_proj.weight" not in t
+        assert t[p + "self_attn.kv_a_proj_with_mqa.weight"].shape == (512 + 64, 128)
+    assert t["model.layers.0.mlp.gate_proj.weight"].shape == (256, 128)
+    assert not any(n.startswith("model.layers.0.mlp.gate.") for n in t)
+    assert not any(n.startswith("model.layers.0.mlp.experts.") for n in t)
+    biases = []
+    for layer in (1, 2, 3):
+        p = f"model.layers.{layer}.mlp."
+        assert t[p + "gate.weight"].shape == (8, 128)
+        assert t[p + "experts.7.down_proj.weight"].shape == (128, 64)
+        assert t[p + "shared_experts.gate_proj.weight"].shape == (64, 128)
+        bias = t[p + "gate.e_score_correction_bias"]
+        assert bias.shape == (8,) and bias.dtype == torch.float32
+        assert float(bias.abs().min()) > 0.0 and len(set(bias.tolist())) == 8
+        biases.append(bias)
+    assert not torch.equal(biases[0], biases[1])
+    assert sum(n.endswith(CORRECTION_BIAS_SUFFIX) for n in t) == 3
+
+
+def test_deepseek_v3_is_deterministic_and_other_families_keep_their_bytes(
+    tmp_path: Path, deepseek_v3_dir: Path, deepseek_dir: Path
+) -> None:
+    again = write_tiny_checkpoint(TinySpec("deepseek_v3"), tmp_path / "v3")
+    assert checkpoint_digest(again) == checkpoint_digest(deepseek_v3_dir)
+    # The V3 family adds tensors of its own; V2's checkpoint has neither q_lora nor the bias.
+    v2 = _v3_tensors(deepseek_dir)
+    assert not any(n.endswith(CORRECTION_BIAS_SUFFIX) or "q_a_proj" in n for n in v2)
+    assert spec_hash(TinySpec("deepseek_v3")) != spec_hash(TinySpec("deepseek_v2"))
+
+
+def _noaux_tc_topk(
+    logits: torch.Tensor, bias: torch.Tensor | None, n_group: int, topk_group: int, k: int
+) -> torch.Tensor:
+    """DeepSeek-V3's selection (the model card's definition): sigmoid scores plus bias; a group
+    scores the sum of its best two; experts of the best ``topk_group`` groups compete."""
+    scores = logits.sigmoid() + (bias if bias is not None else 0.0)
+    n, e = scores.shape
+    grouped = scores.view(n, n_group, e // n_group)
+    group_scores = grouped.topk(2, dim=-1).values.sum(-1)
+    keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_group).indices, 1.0)
+    mask = keep.unsqueeze(-1).expand_as(grouped).reshape(n, e).bool()
+    return scores.masked_fill(~mask, float("-inf")).topk(k).indices.sort(dim=-1).values
+
+
+def test_deepseek_v3_router_makes_grouping_and_bias_change_expert_choices(
+    deepseek_v3_dir: Path,
+) -> None:
+    """On the checkpoint's own router and embeddings, both the group restriction and the
+    correction bias change which experts some tokens get: neither feature is a no-op here."""
+    t = _v3_tensors(deepseek_v3_dir)
+    x = t["model.embed_tokens.weight"]
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+    for layer in (1, 2, 3):
+        p = f"model.layers.{layer}.mlp.gate."
+        logits = x @ t[p + "weight"].T
+        bias = t[p + "e_score_correction_bias"]
+        full = _noaux_tc_topk(logits, bias, 4, 2, 2)
+        ungrouped = _noaux_tc_topk(logits, bias, 1, 1, 2)
+        unbiased = _noaux_tc_topk(logits, None, 4, 2, 2)
+        assert (full != ungrouped).any(dim=-1).float().mean() > 0.01, layer
+        assert (full != unbiased).any(dim=-1).float().mean() > 0.05, layer

@@ -33,7 +33,7 @@ from typing import Any, Final, Literal, get_args
 
 import torch
 
-TinyFamily = Literal["qwen3_moe", "deepseek_v2"]
+TinyFamily = Literal["qwen3_moe", "deepseek_v2", "deepseek_v3"]
 TinyDType = Literal["float32", "bfloat16"]
 
 FAMILIES: Final[tuple[str, ...]] = get_args(TinyFamily)
@@ -41,6 +41,10 @@ DTYPES: Final[tuple[str, ...]] = get_args(TinyDType)
 
 #: Bump when anything that changes the produced bytes changes (layout, init, corpus handling).
 GENERATOR_VERSION: Final[int] = 1
+
+#: Name suffix and spread of DeepSeek-V3's ``noaux_tc`` routing bias (tiny ``deepseek_v3`` only).
+CORRECTION_BIAS_SUFFIX: Final[str] = "mlp.gate.e_score_correction_bias"
+CORRECTION_BIAS_STD: Final[float] = 0.25
 
 #: Default cache root; override with ``AFD_TINY_CACHE`` or an explicit ``cache_dir``.
 DEFAULT_CACHE_ENV: Final[str] = "AFD_TINY_CACHE"
@@ -145,6 +149,8 @@ def model_config(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
             "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
         }
+    if spec.family == "deepseek_v3":
+        return _deepseek_v3_config(common)
     # DeepSeek-V2 with MLA. The CPU MLA kernel needs kv_lora_rank + qk_rope_head_dim == 576.
     return {
         **common,
@@ -171,6 +177,42 @@ def model_config(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
         "topk_group": 1,
         "scoring_func": "softmax",
         "norm_topk_prob": False,
+        "aux_loss_alpha": 0.001,
+        "seq_aux": True,
+    }
+
+
+def _deepseek_v3_config(common: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3 routing at tiny size: ``noaux_tc`` grouped top-k (8 experts in 4 groups of 2,
+    the best 2 groups kept) on sigmoid scores plus a non-zero correction bias, renormalised top-2,
+    routed scaling 2.5, one shared expert, q_lora, layer 0 dense. MLA as the V2 tiny model
+    (kv_lora_rank + qk_rope_head_dim == 576 for the CPU MLA kernel)."""
+    return {
+        **common,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 4,
+        "first_k_dense_replace": 1,
+        "moe_layer_freq": 1,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 64,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 32,
+        "head_dim": 64,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 64,
+        "n_routed_experts": 8,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "topk_method": "noaux_tc",
+        "n_group": 4,
+        "topk_group": 2,
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "num_nextn_predict_layers": 0,
         "aux_loss_alpha": 0.001,
         "seq_aux": True,
     }
@@ -210,7 +252,13 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             rope = int(config["qk_rope_head_dim"])
             vh = int(config["v_head_dim"])
             kv_rank = int(config["kv_lora_rank"])
-            shapes[p + "self_attn.q_proj.weight"] = (n_heads * (nope + rope), h)
+            q_rank = config.get("q_lora_rank")
+            if q_rank:
+                shapes[p + "self_attn.q_a_proj.weight"] = (int(q_rank), h)
+                shapes[p + "self_attn.q_a_layernorm.weight"] = (int(q_rank),)
+                shapes[p + "self_attn.q_b_proj.weight"] = (n_heads * (nope + rope), int(q_rank))
+            else:
+                shapes[p + "self_attn.q_proj.weight"] = (n_heads * (nope + rope), h)
             shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (kv_rank + rope, h)
             shapes[p + "self_attn.kv_a_layernorm.weight"] = (kv_rank,)
             shapes[p + "self_attn.kv_b_proj.weight"] = (n_heads * (nope + vh), kv_rank)
@@ -223,6 +271,8 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             shapes[p + "mlp.down_proj.weight"] = (h, dense_i)
             continue
         shapes[p + "mlp.gate.weight"] = (n_experts, h)
+        if config.get("topk_method") == "noaux_tc":
+            shapes[p + CORRECTION_BIAS_SUFFIX] = (n_experts,)
         for e in range(n_experts):
             q = f"{p}mlp.experts.{e}."
             shapes[q + "gate_proj.weight"] = (moe_i, h)
@@ -245,11 +295,16 @@ def make_tensor(seed: int, name: str, shape: tuple[int, ...], dtype: TinyDType) 
     """One deterministic tensor: norms are ones, embeddings N(0, 1), matrices N(0, 1/fan_in).
 
     The router (``mlp.gate``) is scaled up 4x so expert choices are decisive (no near-ties).
+    DeepSeek-V3's ``e_score_correction_bias`` is float32 N(0, CORRECTION_BIAS_STD**2).
     """
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
+    if name.endswith(CORRECTION_BIAS_SUFFIX):
+        # Float32 as in DeepSeek-V3's checkpoints; large enough against sigmoid scores in (0, 1)
+        # to change which experts (and groups) are chosen, never added to the routing weights.
+        return (CORRECTION_BIAS_STD * torch.randn(shape, generator=gen)).contiguous()
     if len(shape) == 1:
         return torch.ones(shape, dtype=torch_dtype)
-    gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
     t = torch.randn(shape, generator=gen, dtype=torch.float32)
     if name != "model.embed_tokens.weight":
         scale = 1.0 / math.sqrt(shape[-1])
