@@ -2,8 +2,8 @@
 
 World: ``A`` Attention ranks then ``F`` FFN ranks. Attention ranks drive the afd_remote proxies
 (the full forward and the two-stage dispatch/receive split; token ids with the rows); FFN ranks
-run the service loop by hand: receive control, then per layer and stage receive every served payload, check it, reply
-``hidden * 2 + layer``. Each rank returns a report of plain Python values.
+run the service loop by hand: receive control, then per layer and stage receive every served
+payload, check it, reply ``hidden * 2 + layer``. Each rank returns a report of plain Python values.
 """
 
 from __future__ import annotations

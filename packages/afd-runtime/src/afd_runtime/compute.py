@@ -73,6 +73,8 @@ class FFNCompute(Protocol):
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor | None,
         topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
