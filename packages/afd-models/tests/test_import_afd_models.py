@@ -2,11 +2,19 @@
 
 import importlib
 import pkgutil
+import sys
+from pathlib import Path
 
 import afd_models
 
 
 def test_every_module_imports() -> None:
+    # vLLM's qwen3_5 module (under afd_models.models.qwen3_5_moe) imports torchvision through
+    # its vision stack; PyPI's torchvision is kept out of these environments (see the kit).
+    sys.path.insert(0, str(Path(__file__).parent))
+    import afd_models_adapter_kit
+
+    afd_models_adapter_kit.import_qwen3_5()
     names = [m.name for m in pkgutil.walk_packages(afd_models.__path__, prefix="afd_models.")]
     for name in names:
         importlib.import_module(name)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import importlib.metadata
+import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -40,11 +43,21 @@ def test_register_is_idempotent_through_the_entry_point() -> None:
     assert EngineCoreProc.run_busy_loop is loop
 
 
+def _adapter_kit() -> Any:
+    sys.path.insert(0, str(Path(__file__).parent))
+    import afd_models_adapter_kit
+
+    return afd_models_adapter_kit
+
+
 @pytest.mark.parametrize("arch", sorted(plugin.MODEL_REGISTRATIONS))
 def test_architectures_resolve_to_afd_classes(arch: str) -> None:
     from vllm import ModelRegistry
 
     plugin.register()
+    if arch == "Qwen3_5MoeForCausalLM":
+        # vLLM's qwen3_5 module imports torchvision (vision stack): the test-only stub.
+        _adapter_kit().import_qwen3_5()
     cls = ModelRegistry._try_load_model_cls(arch)
     module, name = plugin.MODEL_REGISTRATIONS[arch].split(":")
     assert cls is not None

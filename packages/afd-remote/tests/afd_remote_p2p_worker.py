@@ -1,9 +1,9 @@
 """Worker for the end-to-end test against afd-core's real P2PConnector (not a test module).
 
 World: ``A`` Attention ranks then ``F`` FFN ranks. Attention ranks drive the afd_remote proxies
-(the full forward and the two-stage dispatch/receive split); FFN ranks run the service loop by
-hand: receive control, then per layer and stage receive every served payload, check it, reply
-``hidden * 2 + layer``. Each rank returns a report of plain Python values.
+(the full forward and the two-stage dispatch/receive split; token ids with the rows); FFN ranks
+run the service loop by hand: receive control, then per layer and stage receive every served
+payload, check it, reply ``hidden * 2 + layer``. Each rank returns a report of plain Python values.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], bool]] = {
     "gate_on_ffn_forward": (False, {}, False),
     "router_logits_forward": (True, {"router_logits_width": EXPERTS}, False),
     "topk_split": (True, {"top_k": TOP_K}, True),
+    # token-id routing (DeepSeek-V4 hash layers): the ids travel with the rows, gate on FFN
+    "input_ids_forward": (False, {"input_ids": True}, False),
 }
 
 
@@ -47,7 +49,14 @@ def logits_for(arank: int, layer: int, stage: int) -> torch.Tensor:
     return torch.randn(counts(arank)[stage], EXPERTS, generator=gen)
 
 
-def _attention(conn: P2PConnector, arank: int, gate: bool, split: bool) -> list[str]:
+def ids_for(arank: int, stage: int) -> torch.Tensor:
+    """Token ids of Attention rank ``arank``'s stage (distinct per rank and stage)."""
+    return torch.arange(counts(arank)[stage], dtype=torch.int64) * 3 + 1000 * arank + stage
+
+
+def _attention(
+    conn: P2PConnector, arank: int, gate: bool, split: bool, ids: bool = False
+) -> list[str]:
     problems: list[str] = []
     layers = [
         AFDAttentionFusedMoE(layer, gate_on_attention=gate, top_k=TOP_K) for layer in range(LAYERS)
@@ -60,7 +69,10 @@ def _attention(conn: P2PConnector, arank: int, gate: bool, split: bool) -> list[
             expected[s] = expected[s] * 2 + layer
 
     def call_args(layer: int, stage: int) -> dict[str, torch.Tensor]:
-        return {"router_logits": logits_for(arank, layer, stage)} if gate else {}
+        args = {"router_logits": logits_for(arank, layer, stage)} if gate else {}
+        if ids:
+            args["input_ids"] = ids_for(arank, stage)
+        return args
 
     if not split:
         for layer, moe in enumerate(layers):
@@ -103,6 +115,10 @@ def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int, variant: str) -> 
                     payload.router_logits, logits
                 ):
                     problems.append(f"router_logits a{arank} l{layer} s{s}")
+                if variant == "input_ids_forward" and not torch.equal(
+                    payload.input_ids, ids_for(arank, s)
+                ):
+                    problems.append(f"input_ids a{arank} l{layer} s{s}")
                 if variant == "topk_split":
                     weights, ids = softmax_topk(logits, TOP_K, True)
                     if not (
@@ -134,7 +150,8 @@ def run(rank: int, port: int, a: int, f: int) -> dict[str, Any]:
         conn.init()
         try:
             if role is AFDRole.ATTENTION:
-                problems = _attention(conn, role_rank, gate, split)
+                ids = bool(spec_kwargs.get("input_ids"))
+                problems = _attention(conn, role_rank, gate, split, ids)
             else:
                 problems = _ffn(conn, topo, role_rank, variant)
         finally:

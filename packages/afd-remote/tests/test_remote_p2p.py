@@ -1,8 +1,9 @@
 """End to end with afd-core's real P2PConnector: 2 Attention ranks, 1 FFN rank, gloo.
 
 The Attention ranks run AFDAttentionFusedMoE for gate on FFN (forward), gate on Attention with
-router logits (forward) and with top-k (two stages interleaved through dispatch/receive); the
-FFN rank checks every routing payload and replies. Stage 1 of Attention rank 1 is empty.
+router logits (forward), with top-k (two stages interleaved through dispatch/receive) and gate on
+FFN with token ids (``input_ids``, DeepSeek-V4's hash routing); the FFN rank checks every
+routing payload (ids included, per rank and stage) and replies. Stage 1 of Attention rank 1 is empty.
 """
 
 from __future__ import annotations

@@ -252,3 +252,84 @@ def ep_attention_main(port: int, rank: int, q: Any, barrier: Any) -> None:
     conn.send_control(AFDControlMessage.shutdown_message())
     conn.close()
     q.put((f"attention{rank}", (all(results), counts), None))
+
+
+# -- token ids on the wire (2 Attention ranks : 1 FFN rank, gate on FFN) -----------------------
+
+IDS_VOCAB = 50
+
+
+def ids_connector(cfg: AFDConfig, rank: int) -> Any:
+    spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32, input_ids=True)
+    return create_connector(cfg, rank, payload_spec=spec, num_layers=max(LAYERS) + 1)
+
+
+def _ids(n: int, rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7 * step + rank)
+    return torch.randint(0, IDS_VOCAB, (n,), generator=gen, dtype=torch.int64)
+
+
+class TokenIdCompute:
+    """A compute that routes by token id: ``hidden * (layer + 1) + id`` per row (exact in
+    float32 for these small values), so a row paired with another row's id shows."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []  # (layer, tokens) of calls given input_ids
+        self.calls_without_ids = 0
+
+    def __call__(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        logits: torch.Tensor | None,
+        topk: Any = None,
+        *,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if input_ids is None:
+            self.calls_without_ids += 1
+            return hidden
+        assert input_ids.dtype == torch.int64 and input_ids.shape == (hidden.shape[0],)
+        self.calls.append((layer, int(hidden.shape[0])))
+        return hidden * (layer + 1) + input_ids.unsqueeze(1).to(hidden.dtype)
+
+
+def ids_ffn_main(port: int, q: Any) -> None:
+    cfg = config("ffn", port, num_attention_ranks=2)
+    compute = TokenIdCompute()
+    svc = FFNService(cfg, 0, LAYERS, compute, lambda: ids_connector(cfg, 0))
+    svc.start()
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and svc.stats.steps < len(STEPS) and not svc.failed:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    err = svc._error
+    svc.stop()
+    q.put(
+        (
+            "ffn",
+            (compute.calls, compute.calls_without_ids),
+            None if err is None else f"{type(err).__name__}: {err}",
+        )
+    )
+
+
+def ids_attention_main(port: int, rank: int, q: Any, barrier: Any) -> None:
+    cfg = config("attention", port, num_attention_ranks=2)
+    conn = ids_connector(cfg, rank)
+    conn.init()
+    results: list[bool] = []
+    for step, n in enumerate(STEPS):
+        n = n + rank
+        hidden = _hidden(n, rank, step)
+        ids = _ids(n, rank, step)
+        conn.send_control(AFDControlMessage(((n,),)))
+        for layer in LAYERS:
+            meta = AFDTransferMetadata(layer, 0, (n,))
+            payload = AFDPayload(hidden, input_ids=ids)
+            got = conn.recv_ffn_output(conn.send_attn_output(payload, meta))
+            results.append(torch.equal(got, hidden * (layer + 1) + ids.unsqueeze(1).float()))
+    barrier.wait(120)
+    conn.send_control(AFDControlMessage.shutdown_message())
+    conn.close()
+    q.put((f"attention{rank}", all(results), len(results)))

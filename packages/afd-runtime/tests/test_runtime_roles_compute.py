@@ -230,3 +230,34 @@ def test_injected_mega_bind_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(RuntimeError, match=r"Mega bind to group .*g1/data.* failed \(injected"):
         mega.bind(_Conn())
     assert mega.binds == 0
+
+
+class _IdsModel(_Model):
+    def afd_ffn_forward(  # type: ignore[override]
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        router_logits: torch.Tensor | None,
+        topk: Any = None,
+        input_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        assert input_ids is not None and topk is None
+        return hidden_states + input_ids.unsqueeze(1).to(hidden_states.dtype)
+
+
+def test_native_compute_hands_input_ids_to_the_model() -> None:
+    cfg = AFDConfig.from_mapping({"role": "ffn", "port": 9})
+    compute = select_ffn_compute(cfg, _IdsModel(), _Ctx())
+    x = torch.zeros(3, 2)
+    ids = torch.tensor([4, 0, 7])
+    assert torch.equal(compute(0, x, None, input_ids=ids), ids.unsqueeze(1).expand(3, 2).float())
+
+
+def test_quantized_compute_refuses_input_ids() -> None:
+    from afd_runtime.quantized import QuantizedFFNCompute
+    from afd_weights import QuantScheme
+
+    model = _quantized_model(QuantScheme.W8A8)
+    layered = QuantizedFFNCompute("layered", model, max_tokens=16, ffn_rank=0)
+    with pytest.raises(ValueError, match=r"input_ids.*ffn_compute='native'"):
+        layered(1, torch.zeros(2, 64), None, input_ids=torch.tensor([1, 2]))

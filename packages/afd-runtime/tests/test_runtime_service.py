@@ -140,3 +140,35 @@ def test_expert_parallel_service_two_to_two() -> None:
         expected_calls = 3 * len(ranks.LAYERS) if f == 0 else 2 * len(ranks.LAYERS)
         assert len(calls) == expected_calls, calls
         assert [layer for layer, _ in calls] == [1, 3] * (len(calls) // 2)
+
+
+@pytest.mark.timeout(240)
+def test_input_ids_reach_the_ffn_compute_row_aligned() -> None:
+    """Token ids (payload field ``input_ids``) travel with the hidden states from two Attention
+    ranks over the P2P connector; the FFN service hands the compute both ranks' ids batched in
+    the same order as their rows (the compute's reply depends on each row's id)."""
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    barrier = ctx.Barrier(2)
+    procs = [ctx.Process(target=ranks.ids_ffn_main, args=(port, q))] + [
+        ctx.Process(target=ranks.ids_attention_main, args=(port, r, q, barrier)) for r in range(2)
+    ]
+    out = {}
+    try:
+        for p in procs:
+            p.start()
+        for _ in range(3):
+            name, a, b = q.get(timeout=200)
+            out[name] = (a, b)
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    steps = len(ranks.STEPS) * len(ranks.LAYERS)
+    assert out["attention0"] == (True, steps)
+    assert out["attention1"] == (True, steps)
+    calls, without = out["ffn"][0]
+    assert out["ffn"][1] is None and without == 0
+    assert calls == [(layer, 2 * n + 1) for n in ranks.STEPS for layer in ranks.LAYERS]

@@ -24,6 +24,8 @@ MODEL_REGISTRATIONS: Final[dict[str, str]] = {
     "Qwen3MoeForCausalLM": "afd_models.models.qwen3_moe:AFDQwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "afd_models.models.deepseek_v2:AFDDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "afd_models.models.deepseek_v2:AFDDeepseekV3ForCausalLM",
+    "Qwen3_5MoeForCausalLM": "afd_models.models.qwen3_5_moe:AFDQwen3_5MoeForCausalLM",
+    "DeepseekV4ForCausalLM": "afd_models.models.deepseek_v4:AFDDeepseekV4ForCausalLM",
 }
 
 _registered = False

@@ -42,7 +42,10 @@ class AFDFFNModel(Protocol):
     ``afd_ffn_forward`` computes the routed-expert output of one layer (applying the gate first
     when the gate lives on the FFN role). With expert parallelism (``num_ffn_ranks > 1``) it is
     given ``topk`` = the tokens' global ``(weights, ids)`` as routed on the Attention role and
-    returns the sum over this rank's experts only.
+    returns the sum over this rank's experts only. When the payload spec carries ``input_ids``
+    (token-id routing, e.g. DeepSeek-V4's hash layers) it is also given ``input_ids=`` (the
+    tokens' ids, row-aligned with ``hidden_states``); a model without such a spec is never
+    given the keyword.
     """
 
     afd_moe_layer_indices: tuple[int, ...]
@@ -59,7 +62,10 @@ class AFDFFNModel(Protocol):
 
 class FFNCompute(Protocol):
     """Computes the FFN half of one MoE layer for the tokens of every served Attention rank
-    (``topk``: the global top-k ``(weights, ids)`` with expert parallelism, else ``None``)."""
+    (``topk``: the global top-k ``(weights, ids)`` with expert parallelism, else ``None``).
+
+    The service passes ``input_ids=`` (keyword) only when the payload carries token ids; a
+    compute that cannot route by them raises naming ``input_ids``."""
 
     def __call__(
         self,
@@ -67,6 +73,8 @@ class FFNCompute(Protocol):
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor | None,
         topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor: ...
 
 
@@ -113,10 +121,16 @@ class NativeFusedMoECompute:
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor | None,
         topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         scope = nullcontext() if self._in_step else self.step(hidden_states.shape[0])
         with scope:
-            if topk is None:
+            if input_ids is not None:
+                out = self._model.afd_ffn_forward(  # type: ignore[call-arg]
+                    layer_idx, hidden_states, router_logits, topk, input_ids=input_ids
+                )
+            elif topk is None:
                 out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits)
             else:
                 out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits, topk)

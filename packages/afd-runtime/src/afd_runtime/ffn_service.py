@@ -9,6 +9,7 @@ built by :func:`afd_core.connector.create_connector`). Per step::
             meta = msg.transfer_metadata(layer, stage)
             payloads = connector.recv_attn_output(meta)   # one per served rank, rank order
             out = compute(layer, cat(hidden), cat(logits))  # ONE call over all the peers
+                                                    # (+ input_ids=cat(ids) when carried)
             connector.send_ffn_output(out, meta)           # split back by meta.num_tokens
 
 Batching: the unit of work is (layer, stage) over all served Attention ranks; their tokens are
@@ -116,6 +117,14 @@ def batch_payloads(payloads: Sequence[AFDPayload]) -> tuple[torch.Tensor, torch.
     if payloads[0].router_logits is None:
         return hidden, None
     return hidden, _cat([p.router_logits for p in payloads if p.router_logits is not None])
+
+
+def batch_input_ids(payloads: Sequence[AFDPayload]) -> torch.Tensor | None:
+    """Every peer's token ids, concatenated in the order of :func:`batch_payloads` (``None``
+    when the payload spec does not carry ``input_ids``: then no payload has them)."""
+    if payloads[0].input_ids is None:
+        return None
+    return _cat([p.input_ids for p in payloads if p.input_ids is not None])
 
 
 def batch_routed(
@@ -302,8 +311,12 @@ class FFNService:
                 total = sum(meta.num_tokens)
                 if total:
                     hidden, logits = batch_payloads(payloads)
+                    ids = batch_input_ids(payloads)
                     try:
-                        out = self.compute(layer, hidden, logits)
+                        if ids is None:
+                            out = self.compute(layer, hidden, logits)
+                        else:  # token-id routed layers (e.g. DeepSeek-V4 hash routing)
+                            out = self.compute(layer, hidden, logits, input_ids=ids)
                     except Exception as exc:
                         connector.abort(
                             f"ffn compute (layer {layer})", f"{type(exc).__name__}: {exc}"

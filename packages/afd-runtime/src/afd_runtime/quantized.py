@@ -210,7 +210,15 @@ class QuantizedFFNCompute:
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor | None,
         topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if input_ids is not None:
+            # Adapters refuse this at construction; this guards any other model.
+            raise ValueError(
+                f"input_ids given to ffn_compute={self.name!r} (layer {layer_idx}); token-id "
+                "routed models (DeepSeek-V4 hash layers) allowed with: ffn_compute='native'"
+            )
         weights, ids = self._model.afd_route(layer_idx, hidden_states, router_logits, topk)
         compute = self._compute
         if compute is None:  # Mega before any bind: the compute's own error, before any write

@@ -59,13 +59,20 @@ def attention_payload_spec(
     gate_on_attention: bool,
     router_dtype: Any = None,
     top_k: int | None = None,
+    input_ids: bool = False,
 ) -> AFDPayloadSpec:
     """The payload an Attention adapter sends per MoE layer: hidden states, + router logits when
-    the gate is on Attention; with expert parallelism (``num_ffn_ranks > 1``) hidden states +
-    the global top-k ids and weights (``top_k`` required)."""
+    the gate is on Attention, + the tokens' ids with ``input_ids`` (token-id routing); with
+    expert parallelism (``num_ffn_ranks > 1``) hidden states + the global top-k ids and weights
+    (``top_k`` required)."""
     dtype = vllm_config.model_config.dtype
     afd = afd_config_of(vllm_config)
     if afd is not None and afd.num_ffn_ranks > 1:
+        if input_ids:
+            raise ValueError(
+                f"num_ffn_ranks={afd.num_ffn_ranks} with a token-id routed model; allowed: "
+                "num_ffn_ranks=1 (expert-parallel dispatch carries no input_ids)"
+            )
         if top_k is None:
             raise ValueError("top_k is required for the expert-parallel payload")
         return AFDPayloadSpec(
@@ -76,6 +83,7 @@ def attention_payload_spec(
         dtype=dtype,
         router_logits_width=num_experts if gate_on_attention else None,
         router_logits_dtype=(router_dtype or dtype) if gate_on_attention else None,
+        input_ids=input_ids,
     )
 
 
@@ -116,7 +124,10 @@ class RemoteMoEBlock(nn.Module):
         setattr(self, gate_attr, gate)
         setattr(self, shared_attr, shared_experts)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``input_ids`` (token-id routed models): the tokens' ids, sent with the rows."""
         squeeze = hidden_states.dim() == 1
         hidden_dim = hidden_states.shape[-1]
         x = hidden_states.view(-1, hidden_dim)
@@ -124,7 +135,9 @@ class RemoteMoEBlock(nn.Module):
         shared_experts = getattr(self, self._shared_attr)
         router_logits = gate(x)[0] if gate is not None else None
         shared = shared_experts(x) if shared_experts is not None else None
-        if self.afd_router is not None:
+        if input_ids is not None:
+            routed = torch.ops.afd.remote_ffn_ids(x, router_logits, input_ids, self.layer_idx)
+        elif self.afd_router is not None:
             assert router_logits is not None and self.afd_num_experts is not None
             weights, ids = self.afd_router.select_experts(x, router_logits)
             routed = torch.ops.afd.remote_ffn_routed(
@@ -176,7 +189,18 @@ class FFNMoEBlock(nn.Module):
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor | None,
         topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if input_ids is not None:
+            # Token-id routing (hash layers): the runner routes by the ids, upstream's call.
+            if topk is not None or not self.gate_on_ffn:
+                raise ValueError(
+                    "input_ids given with top-k or with the gate on Attention; allowed: "
+                    "token-id routing with the gate on the FFN role and one FFN rank"
+                )
+            return self.experts(
+                hidden_states=hidden_states, router_logits=hidden_states, input_ids=input_ids
+            )
         if topk is not None:
             if self.expert_map is None:
                 raise ValueError("top-k given to an FFN block without an expert map")
@@ -254,10 +278,10 @@ def build_router(**router_kwargs: Any) -> Any:
 
 
 class _FFNLayer(nn.Module):
-    def __init__(self, mlp: nn.Module | None) -> None:
+    def __init__(self, mlp: nn.Module | None, attr: str = "mlp") -> None:
         super().__init__()
         if mlp is not None:
-            self.mlp = mlp
+            setattr(self, attr, mlp)
 
 
 class _FFNDecoder(nn.Module):
@@ -286,8 +310,11 @@ class AFDFFNCausalLM(nn.Module):
         quant: tuple[QuantScheme, int] | None = None,
         router: Any = None,
         compute_top_k: int | None = None,
+        moe_attr: str = "mlp",
     ) -> None:
         super().__init__()
+        # The decoder layer's attribute holding the MoE block (``mlp``; DeepSeek-V4: ``ffn``).
+        self._moe_attr = moe_attr
         self._local_experts = local_experts
         # Quantized experts (expert_quant != none): (scheme, group size), the model's router
         # (one FFN rank; expert parallel routes on Attention) and the compute's top-k width.
@@ -299,7 +326,10 @@ class AFDFFNCausalLM(nn.Module):
         wanted = set(self.afd_moe_layer_indices)
         model_prefix = f"{prefix}.model" if prefix else "model"
         layers = [
-            _FFNLayer(build_block(i, f"{model_prefix}.layers.{i}.mlp") if i in wanted else None)
+            _FFNLayer(
+                build_block(i, f"{model_prefix}.layers.{i}.{moe_attr}") if i in wanted else None,
+                moe_attr,
+            )
             for i in range(num_layers)
         ]
         self.model = _FFNDecoder(layers)
@@ -313,8 +343,11 @@ class AFDFFNCausalLM(nn.Module):
         hidden_states: torch.Tensor,
         router_logits: torch.Tensor | None,
         topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        input_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        block: Any = self.model.layers[layer_idx].mlp
+        block: Any = getattr(self.model.layers[layer_idx], self._moe_attr)
+        if input_ids is not None:
+            return block(hidden_states, router_logits, topk, input_ids)
         if topk is None:
             return block(hidden_states, router_logits)
         return block(hidden_states, router_logits, topk)
@@ -336,7 +369,9 @@ class AFDFFNCausalLM(nn.Module):
         loaded = set(loader.load_weights(kept, mapper=self._mapper))
         if self._quant is not None:
             # Before vLLM's post-load processing (which would repack the float experts).
-            blocks = {i: self.model.layers[i].mlp for i in self.afd_moe_layer_indices}
+            blocks = {
+                i: getattr(self.model.layers[i], self._moe_attr) for i in self.afd_moe_layer_indices
+            }
             first = self.afd_moe_layer_indices[0] if report_error_requested() else None
             self.afd_quantized_weights, self.afd_float_reference = quantize_experts(
                 blocks, *self._quant, keep_float_layer=first
@@ -370,7 +405,11 @@ class AFDFFNCausalLM(nn.Module):
         """Rank-local top-k of one layer's tokens for the quantized compute (see
         :func:`afd_models.models._quantized.route`)."""
         return route(
-            self.model.layers[layer_idx].mlp, self._router, hidden_states, router_logits, topk
+            getattr(self.model.layers[layer_idx], self._moe_attr),
+            self._router,
+            hidden_states,
+            router_logits,
+            topk,
         )
 
 
@@ -395,6 +434,8 @@ class AFDRoleModelMixin:
     _afd_classify: Classifier | None = None
     #: ``AutoWeightsLoader`` mapper of the FFN model (upstream's ``hf_to_vllm_mapper``, if any).
     _afd_weights_mapper: ClassVar[Any] = None
+    #: The decoder layer's attribute holding the MoE block (upstream's module path).
+    _afd_moe_attr: ClassVar[str] = "mlp"
 
     # -- hooks (model-specific) -------------------------------------------------------------
 
@@ -435,6 +476,12 @@ class AFDRoleModelMixin:
         raise NotImplementedError
 
     @staticmethod
+    def _afd_routes_by_token_id(config: Any) -> bool:
+        """True when some MoE layer routes by token id (the payload then carries
+        ``input_ids`` for every layer; the FFN block is given them)."""
+        return False
+
+    @staticmethod
     def _afd_router_dtype(config: Any) -> Any:
         """The router-logits dtype (``None``: the model dtype)."""
         return None
@@ -462,6 +509,7 @@ class AFDRoleModelMixin:
             gate_on_attention=afd.compute_gate_on_attention,
             router_dtype=cls._afd_router_dtype(config),
             top_k=cls._afd_top_k(config),
+            input_ids=cls._afd_routes_by_token_id(config),
         )
 
     @classmethod
@@ -544,6 +592,7 @@ class AFDRoleModelMixin:
             quant=quant,
             router=router,
             compute_top_k=top_k if quant is not None else None,
+            moe_attr=cls._afd_moe_attr,
         )
 
     def _afd_init_attention_role(self, vllm_config: Any, afd: AFDConfig) -> None:

@@ -1,6 +1,7 @@
 """The ``afd::remote_ffn`` custom ops: an AFD Attention block's call into the FFN role.
 
 ``afd::remote_ffn`` sends hidden states (+ router logits) to the one FFN rank;
+``afd::remote_ffn_ids`` also sends the tokens' ids (token-id routing, DeepSeek-V4's hash layers);
 ``afd::remote_ffn_routed`` (expert parallelism) dispatches tokens by their top-k to the FFN ranks
 holding those experts and combines the partial outputs.
 
@@ -48,6 +49,29 @@ def remote_ffn(
 @remote_ffn.register_fake
 def _remote_ffn_fake(
     hidden_states: torch.Tensor, router_logits: torch.Tensor | None, layer_idx: int
+) -> torch.Tensor:
+    return torch.empty_like(hidden_states)
+
+
+@torch.library.custom_op("afd::remote_ffn_ids", mutates_args=())
+def remote_ffn_ids(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    layer_idx: int,
+) -> torch.Tensor:
+    """Token-id routed layers (DeepSeek-V4 hash MoE): as ``afd::remote_ffn``, the tokens' ids
+    sent with the rows (the connector's payload spec carries ``input_ids``)."""
+    proxy = proxy_for(layer_idx, router_logits is not None)
+    return proxy(hidden_states, router_logits, input_ids)
+
+
+@remote_ffn_ids.register_fake
+def _remote_ffn_ids_fake(
+    hidden_states: torch.Tensor,
+    router_logits: torch.Tensor | None,
+    input_ids: torch.Tensor,
+    layer_idx: int,
 ) -> torch.Tensor:
     return torch.empty_like(hidden_states)
 
