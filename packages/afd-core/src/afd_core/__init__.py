@@ -18,6 +18,7 @@ from afd_core.connector import (
     register_connector,
 )
 from afd_core.errors import (
+    AFDCancelledError,
     AFDConfigError,
     AFDConnectorError,
     AFDContextError,
@@ -46,13 +47,14 @@ from afd_core.metadata import (
     AFDPayloadSpec,
     AFDTransferMetadata,
 )
-from afd_core.startup import StartupCoordinator
+from afd_core.startup import StartupCoordinator, cancel_startup
 from afd_core.topology import AFDTopology
 
 __version__ = _version("afd-core")
 
 __all__ = [
     "PAYLOAD_FIELDS",
+    "AFDCancelledError",
     "AFDConfig",
     "AFDConfigError",
     "AFDConnectorBase",
@@ -81,6 +83,7 @@ __all__ = [
     "StartupCoordinator",
     "__version__",
     "available_connectors",
+    "cancel_startup",
     "create_connector",
     "dbo_yield",
     "get_afd_forward_metadata",

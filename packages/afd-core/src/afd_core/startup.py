@@ -14,10 +14,18 @@ Invariants:
 * A failure is sticky: later publications by the same rank do not overwrite the first reason.
 * Publishing a failure never raises (the store may already be gone); it returns whether it
   reached the store.
+* Cancellation: :func:`cancel_startup` (called e.g. from a SIGTERM handler; it only stores a
+  string, so it is safe in a signal handler) makes every startup wait of this process that
+  checks it -- each poll of :meth:`StartupCoordinator.wait_keys` (so every barrier), and the
+  client's connection retries in :func:`open_tcp_store` -- raise :class:`AFDCancelledError`
+  within one poll interval. It stays set until :func:`clear_startup_cancel`. The blocking
+  C++ calls in between (one store operation, a process group's creation once every rank is
+  present) are not interruptible; each is bounded by its own timeout.
 """
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -25,11 +33,67 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from afd_core.errors import AFDConfigError, AFDStartupError, AFDTimeoutError
+from afd_core.errors import AFDCancelledError, AFDConfigError, AFDStartupError, AFDTimeoutError
 
-__all__ = ["StartupCoordinator", "StartupFailure", "open_tcp_store"]
+__all__ = [
+    "StartupCoordinator",
+    "StartupFailure",
+    "cancel_startup",
+    "check_startup_cancelled",
+    "clear_startup_cancel",
+    "open_tcp_store",
+    "startup_cancel_reason",
+]
 
 _MASTER_STORES: dict[tuple[str, int], dist.TCPStore] = {}
+#: Why startup was cancelled in this process (``None``: not cancelled). A plain assignment, so
+#: :func:`cancel_startup` can run inside a signal handler (no lock that the interrupted thread
+#: might hold).
+_CANCEL_REASON: str | None = None
+#: How long one connection probe of a store client waits before it checks cancellation again.
+CONNECT_PROBE_S = 0.5
+
+
+def cancel_startup(reason: str) -> None:
+    """Cancel every startup wait of this process (see the module docstring); idempotent, the
+    first reason is kept. Safe to call from a signal handler."""
+    global _CANCEL_REASON
+    if _CANCEL_REASON is None:
+        _CANCEL_REASON = str(reason) or "cancelled"
+
+
+def startup_cancel_reason() -> str | None:
+    """The reason given to :func:`cancel_startup`, or ``None`` when startup is not cancelled."""
+    return _CANCEL_REASON
+
+
+def clear_startup_cancel() -> None:
+    """Allow startup waits again (a process that keeps running after a cancelled startup)."""
+    global _CANCEL_REASON
+    _CANCEL_REASON = None
+
+
+def check_startup_cancelled(stage: str) -> None:
+    """Raise :class:`AFDCancelledError` naming ``stage`` if startup was cancelled."""
+    reason = _CANCEL_REASON
+    if reason is not None:
+        raise AFDCancelledError(stage, reason)
+
+
+def _wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Probe ``host:port`` until something accepts a TCP connection, checking cancellation
+    between probes; on expiry return (the store client then reports its own timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check_startup_cancelled("connect")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        try:
+            with socket.create_connection((host, port), timeout=min(CONNECT_PROBE_S, remaining)):
+                return
+        except OSError:
+            time.sleep(min(CONNECT_PROBE_S, max(deadline - time.monotonic(), 0.0)))
 
 
 def open_tcp_store(host: str, port: int, *, is_master: bool, timeout_s: float) -> dist.TCPStore:
@@ -38,8 +102,11 @@ def open_tcp_store(host: str, port: int, *, is_master: bool, timeout_s: float) -
     The master's store server is cached per ``(host, port)`` for the life of the process so that
     a connector can be closed and initialised again without re-binding the port (clients of a
     new initialisation use a fresh key prefix, see ``P2PConnector``). Clients retry the
-    connection until ``timeout_s`` expires (the master may start later).
+    connection until ``timeout_s`` expires (the master may start later); while no server
+    listens they wait in silent probes that honour :func:`cancel_startup` (raising
+    :class:`AFDCancelledError`), and connect once one does.
     """
+    check_startup_cancelled("connect")
     timeout = timedelta(seconds=timeout_s)
     if is_master:
         cached = _MASTER_STORES.get((host, port))
@@ -48,7 +115,12 @@ def open_tcp_store(host: str, port: int, *, is_master: bool, timeout_s: float) -
         store = dist.TCPStore(host, port, None, True, timeout=timeout, wait_for_workers=False)
         _MASTER_STORES[(host, port)] = store
         return store
-    return dist.TCPStore(host, port, None, False, timeout=timeout)
+    started = time.monotonic()
+    _wait_for_listener(host, port, timeout_s)
+    remaining = max(timeout_s - (time.monotonic() - started), 0.001)
+    client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=remaining))
+    client.set_timeout(timeout)
+    return client
 
 
 def release_store_servers() -> None:
@@ -138,17 +210,21 @@ class StartupCoordinator:
     def wait_keys(
         self, keys: Mapping[int, str], stage: str, timeout_s: float | None = None
     ) -> None:
-        """Wait until every ``keys[rank]`` exists, failing fast on a failure of any such rank."""
+        """Wait until every ``keys[rank]`` exists, failing fast on a failure of any other rank
+        (:class:`AFDStartupError`) and on :func:`cancel_startup` (:class:`AFDCancelledError`)."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout
         pending = dict(keys)
         while True:
+            check_startup_cancelled(stage)
             for rank, key in list(pending.items()):
                 if self.store.check([key]):
                     del pending[rank]
+            # Checked even when every key is there: a rank may publish ready and then fail
+            # (e.g. cancelled while it waits in the same barrier).
+            self.raise_if_failed([r for r in range(self.world_size) if r != self.rank])
             if not pending:
                 return
-            self.raise_if_failed([r for r in range(self.world_size) if r != self.rank])
             if time.monotonic() >= deadline:
                 raise AFDTimeoutError(
                     f"AFD startup stage {stage!r}: world ranks {sorted(pending)} not ready "

@@ -268,7 +268,11 @@ class _P2PLifecycle(AFDConnectorBase):
             ):
                 self._coordinator.publish_failure(stage, f"{type(err).__name__}: {err}")
             self._teardown()
-            if isinstance(err, AFDConnectorError | AFDConfigError | KeyboardInterrupt):
+            # Exit requests (KeyboardInterrupt, SystemExit) and cancellation keep their type:
+            # the process is stopping, which is not a peer's failure.
+            if not isinstance(err, Exception) or isinstance(
+                err, AFDConnectorError | AFDConfigError
+            ):
                 raise
             text = str(err).lower()
             if isinstance(err, TimeoutError) or "timeout" in text or "timed out" in text:
@@ -278,6 +282,44 @@ class _P2PLifecycle(AFDConnectorBase):
                 ) from err
             raise AFDPeerError(None, stage, f"{type(err).__name__}: {err}") from err
         self._initialized = True
+
+    @classmethod
+    def publish_startup_failure(
+        cls,
+        config: AFDConfig,
+        role_rank: int,
+        stage: str,
+        reason: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Publish the failure of this rank (``config.role``, ``role_rank``) in ``stage`` on the
+        startup store, for a rank that fails before its ``init`` (e.g. loading its model): the
+        peers' ``init`` then raises :class:`AFDStartupError` naming this rank, ``stage`` and
+        ``reason`` at once instead of waiting ``startup_timeout_s``.
+
+        Connects like ``init`` (same generation namespace: the failure lands where the peers'
+        current initialisation looks), publishes, disconnects. Bounded by ``timeout_s``
+        (default ``config.startup_timeout_s``) spent waiting for the store's server; never
+        raises; True when the failure reached the store. World rank 0 serves the store itself,
+        so its failure only reaches peers that connect while this process lives."""
+        try:
+            topology = AFDTopology.from_config(config)
+            world_rank = topology.world_rank(config.role, role_rank)
+            wait_s = config.startup_timeout_s if timeout_s is None else float(timeout_s)
+            root = open_tcp_store(
+                config.host, config.port, is_master=world_rank == 0, timeout_s=wait_s
+            )
+            generation = int(root.add(f"afd/inits/{world_rank}", 1))
+            coord = StartupCoordinator(
+                dist.PrefixStore(f"afd/g{generation}", root),
+                rank=world_rank,
+                world_size=topology.world_size,
+                timeout_s=wait_s,
+            )
+            return coord.publish_failure(stage, reason)
+        except Exception:
+            return False
 
     def _remaining(self, deadline: float) -> float:
         return max(deadline - time.monotonic(), 0.001)
