@@ -850,7 +850,12 @@ def exit_in_init_rank(rank: int, port: int) -> dict[str, Any]:
         raise SystemExit(0)
 
     conn = P2PConnector(
-        cfg, topo, role_rank, payload_spec=spec, num_layers=1, ready_hook=hook if rank == 0 else None
+        cfg,
+        topo,
+        role_rank,
+        payload_spec=spec,
+        num_layers=1,
+        ready_hook=hook if rank == 0 else None,
     )
     try:
         conn.init()

@@ -588,7 +588,9 @@ def test_ready_hook_sees_the_data_group() -> None:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("case", ["connect", "handshake"])
 def test_cancel_ends_a_waiting_init_at_once(case: str) -> None:
-    (result,) = ok(run_world(worlds.cancel_startup_rank, 1, free_port(), case, timeout_s=60)).values()
+    (result,) = ok(
+        run_world(worlds.cancel_startup_rank, 1, free_port(), case, timeout_s=60)
+    ).values()
     assert result["type"] == "AFDCancelledError", result
     assert result["stage"] == case
     assert result["reason"] == ("test cancel" if case == "connect" else "SIGUSR1")
@@ -634,9 +636,7 @@ def test_failure_published_before_init_fails_the_peer_init_at_once() -> None:
 
 
 def test_publish_startup_failure_without_a_server_is_bounded_and_reports_false() -> None:
-    cfg = AFDConfig(
-        role=AFDRole.FFN, port=free_port(), num_attention_ranks=1, num_ffn_ranks=1
-    )
+    cfg = AFDConfig(role=AFDRole.FFN, port=free_port(), num_attention_ranks=1, num_ffn_ranks=1)
     t0 = time.monotonic()
     assert P2PConnector.publish_startup_failure(cfg, 0, "load", "x", timeout_s=1.5) is False
     assert time.monotonic() - t0 < 10.0

@@ -20,6 +20,15 @@
    decode to ~0.3 tokens/s), which only the FFN engine's 2 s waits can afford. No AFD: upstream
    loop, unchanged.
 
+3. ``MPClient.__init__`` (the API server's engine client; it waits for its engine cores to be
+   built, and an AFD engine core is built only once its peer role is there): for AFD roles,
+   run it under :func:`afd_runtime.signals.termination_reaches_main_thread`, so a SIGTERM taken
+   by another thread during that wait still reaches vLLM's ``_interrupt_init`` handler, and
+   end it with ``SystemExit(0)`` instead of ``KeyboardInterrupt`` when SIGTERM stopped it
+   (the engine cores are stopped by vLLM's own cleanup; their AFD startup wait ends on the
+   SIGTERM they get, see :mod:`afd_runtime.signals`). SIGINT keeps vLLM's
+   ``KeyboardInterrupt``. No AFD: unchanged.
+
 Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
 not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
 """
@@ -28,11 +37,14 @@ from __future__ import annotations
 
 import functools
 import logging
+import signal
+from collections.abc import Callable
 from typing import Any, Final
 
 from afd_core.config import AFDConfig, AFDRole, parse_afd_config
 from afd_core.errors import AFDConfigError
 
+from afd_runtime.signals import termination_reaches_main_thread
 from afd_runtime.vllm_compat import check_vllm_version
 from afd_runtime.workers import afd_worker_qualname
 
@@ -177,11 +189,40 @@ def ffn_busy_loop(engine_core: Any) -> None:
     raise SystemExit
 
 
+def _is_afd_config(vllm_config: Any) -> bool:
+    return parse_afd_config(getattr(vllm_config, "additional_config", None)) is not None
+
+
+def engine_client_init(original: Callable[..., None]) -> Callable[..., None]:
+    """The patched ``MPClient.__init__`` (see the module docstring, patch 3)."""
+
+    @functools.wraps(original)
+    def __init__(
+        self: Any, asyncio_mode: bool, vllm_config: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        if not _is_afd_config(vllm_config):
+            original(self, asyncio_mode, vllm_config, *args, **kwargs)
+            return
+        forwarder = None
+        try:
+            with termination_reaches_main_thread() as forwarder:
+                original(self, asyncio_mode, vllm_config, *args, **kwargs)
+        except KeyboardInterrupt:
+            if forwarder is not None and signal.SIGTERM in forwarder.handled:
+                logger.info("AFD: SIGTERM while waiting for the engine cores; exiting")
+                raise SystemExit(0) from None
+            raise
+
+    setattr(__init__, _MARK, True)
+    return __init__
+
+
 def apply_vllm_patches() -> None:
     """Install the patches (idempotent; vLLM 0.32.x only)."""
     check_vllm_version()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core_client import MPClient
 
     original_create = EngineArgs.create_engine_config
     if not getattr(original_create, _MARK, False):
@@ -214,13 +255,19 @@ def apply_vllm_patches() -> None:
         setattr(run_busy_loop, _MARK, True)
         EngineCoreProc.run_busy_loop = run_busy_loop
 
+    original_client_init = MPClient.__init__
+    if not getattr(original_client_init, _MARK, False):
+        MPClient.__init__ = engine_client_init(original_client_init)  # type: ignore[method-assign]
+
 
 def patches_applied() -> bool:
-    """True when both patches are installed."""
+    """True when every patch is installed."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core_client import MPClient
 
     return bool(
         getattr(EngineArgs.create_engine_config, _MARK, False)
         and getattr(EngineCoreProc.run_busy_loop, _MARK, False)
+        and getattr(MPClient.__init__, _MARK, False)
     )
