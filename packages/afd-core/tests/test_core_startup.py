@@ -160,13 +160,15 @@ def test_store_client_connects_once_its_server_appears(no_cancel: None) -> None:
 
     port = free_port()
     servers: list[dist.TCPStore] = []
-    threading.Timer(
-        1.0,
-        lambda: servers.append(
-            dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False)
-        ),
-    ).start()
+
+    def serve() -> None:
+        time.sleep(1.0)
+        servers.append(dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False))
+
+    server = threading.Thread(target=serve)
+    server.start()
     client = open_tcp_store("127.0.0.1", port, is_master=False, timeout_s=30.0)
     client.set("k", "v")
+    server.join(30)  # the server listens before its constructor returns
     assert servers[0].get("k") == b"v"
     assert client.timeout.total_seconds() == 30.0

@@ -189,6 +189,10 @@ def ffn_busy_loop(engine_core: Any) -> None:
     raise SystemExit
 
 
+# The engine client runs in the API server, where only vLLM's logger tree has handlers.
+_client_logger = logging.getLogger("vllm.afd.patches")
+
+
 def _is_afd_config(vllm_config: Any) -> bool:
     return parse_afd_config(getattr(vllm_config, "additional_config", None)) is not None
 
@@ -206,10 +210,11 @@ def engine_client_init(original: Callable[..., None]) -> Callable[..., None]:
         forwarder = None
         try:
             with termination_reaches_main_thread() as forwarder:
+                _client_logger.info("AFD: waiting for the engine core(s); SIGTERM/SIGINT watched")
                 original(self, asyncio_mode, vllm_config, *args, **kwargs)
         except KeyboardInterrupt:
             if forwarder is not None and signal.SIGTERM in forwarder.handled:
-                logger.info("AFD: SIGTERM while waiting for the engine cores; exiting")
+                _client_logger.info("AFD: SIGTERM while waiting for the engine core(s); exit 0")
                 raise SystemExit(0) from None
             raise
 
@@ -257,7 +262,7 @@ def apply_vllm_patches() -> None:
 
     original_client_init = MPClient.__init__
     if not getattr(original_client_init, _MARK, False):
-        MPClient.__init__ = engine_client_init(original_client_init)  # type: ignore[method-assign]
+        MPClient.__init__ = engine_client_init(original_client_init)
 
 
 def patches_applied() -> bool:

@@ -17,6 +17,7 @@ re-raises the signal; an ignored signal (``SIG_IGN``) stays ignored.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -26,6 +27,9 @@ from types import FrameType
 from typing import Any, Final
 
 from afd_core.startup import cancel_startup
+
+# Under "vllm.": in an API server process only vLLM's logger tree has handlers.
+logger = logging.getLogger("vllm.afd.signals")
 
 #: The signals that cancel startup.
 CANCEL_SIGNALS: Final[tuple[signal.Signals, ...]] = (signal.SIGTERM, signal.SIGINT)
@@ -66,25 +70,38 @@ def cancels_startup(sig: signal.Signals) -> bool:
     return bool(getattr(signal.getsignal(sig), _MARK, False))
 
 
-#: How long a termination signal may sit unhandled before it is re-sent to the main thread.
+#: How long the main thread may stay in its wait after a termination signal before the signal
+#: is re-sent to it.
 FORWARD_GRACE_S: Final[float] = 1.0
+#: At most this many re-sends per block.
+MAX_FORWARDS: Final[int] = 3
+
+
+def _blocked_in_zmq_poll(thread_ident: int) -> bool:
+    """True when the thread's innermost Python frame is pyzmq's poll (a C wait)."""
+    import sys
+
+    frame = sys._current_frames().get(thread_ident)
+    if frame is None:
+        return False
+    return frame.f_code.co_name == "poll" and "zmq" in frame.f_code.co_filename
 
 
 class _MainThreadSignalForwarder:
-    """Re-sends SIGTERM/SIGINT to the main thread when its Python handler did not run.
+    """Re-sends SIGTERM/SIGINT to the main thread while it stays blocked in a zmq poll.
 
-    CPython runs Python signal handlers in the main thread between bytecodes only. vLLM 0.32's
-    API server waits for its engine cores in one ``zmq`` poll of up to
-    ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s) in the main thread; a SIGTERM taken by another
-    thread of the process (measured on CPU: the first SIGTERM during an AFD Attention
-    startup was lost, the process kept waiting; a second one stopped it) only trips the
-    handler's flag, and the poll is not interrupted, so vLLM's ``_interrupt_init`` handler
-    never runs. While active, this forwarder watches every signal through
-    :func:`signal.set_wakeup_fd` (the C-level handler writes each one there, whatever thread
-    takes it) and, when a termination signal is still unhandled after
-    :data:`FORWARD_GRACE_S` (the main thread is still inside the guarded block), sends it once
-    more to the main thread itself (``pthread_kill``): its poll returns ``EINTR`` and the
-    pending handler runs. Bytes are passed on to the previous wakeup fd (uvloop's).
+    vLLM 0.32's API server waits for its engine cores in one ``zmq`` poll of up to
+    ``VLLM_ENGINE_READY_TIMEOUT_S`` (600 s) in the main thread, with vLLM's ``_interrupt_init``
+    as SIGTERM handler (it raises ``KeyboardInterrupt``). Measured on CPU during an AFD
+    Attention startup: the first SIGTERM was lost -- the handler ran (recorded here) but the
+    main thread stayed in the poll; a second SIGTERM stopped it. (Python handlers run only in
+    the main thread; the interrupted pyzmq poll retries on ``EINTR``.) While active, this
+    forwarder watches every signal through :func:`signal.set_wakeup_fd` (the C-level handler
+    writes each one there, whatever thread takes it) and, when the main thread is still blocked
+    in a zmq poll :data:`FORWARD_GRACE_S` after a termination signal, sends that signal to the
+    main thread itself (``pthread_kill``), at most :data:`MAX_FORWARDS` times. Once the
+    handler's exception propagates the main thread leaves the poll (vLLM's cleanup runs) and
+    nothing more is sent. Bytes are passed on to the previous wakeup fd (uvloop's).
     """
 
     def __init__(self) -> None:
@@ -161,24 +178,34 @@ class _MainThreadSignalForwarder:
                         os.write(self._previous_fd, data)
                 for signum in data:
                     if signum in (signal.SIGTERM, signal.SIGINT):
+                        logger.info("AFD: %s received", signal.Signals(signum).name)
                         self.seen.append(signum)
-                        if signum not in self.forwarded:
-                            pending.setdefault(signum, time.monotonic() + FORWARD_GRACE_S)
+                        pending.setdefault(signum, time.monotonic() + FORWARD_GRACE_S)
             now = time.monotonic()
             for signum, due in list(pending.items()):
                 if now < due:
                     continue
                 del pending[signum]
-                if self._active and main_ident is not None and signum not in self.handled:
+                if (
+                    self._active
+                    and main_ident is not None
+                    and len(self.forwarded) < MAX_FORWARDS
+                    and _blocked_in_zmq_poll(main_ident)
+                ):
                     self.forwarded.append(signum)
+                    logger.info(
+                        "AFD: still waiting %gs after %s; re-sent to the main thread",
+                        FORWARD_GRACE_S,
+                        signal.Signals(signum).name,
+                    )
                     with contextlib.suppress(OSError, ValueError):
                         signal.pthread_kill(main_ident, signum)
 
 
 @contextlib.contextmanager
 def termination_reaches_main_thread() -> Iterator[_MainThreadSignalForwarder | None]:
-    """Within the block, a SIGTERM/SIGINT whose Python handler did not run within
-    :data:`FORWARD_GRACE_S` is re-sent to the main thread (see
+    """Within the block, a SIGTERM/SIGINT after which the main thread stays blocked in a zmq
+    poll for :data:`FORWARD_GRACE_S` is re-sent to the main thread (see
     :class:`_MainThreadSignalForwarder`). Outside the main thread: does nothing (yields
     ``None``)."""
     if threading.current_thread() is not threading.main_thread():
