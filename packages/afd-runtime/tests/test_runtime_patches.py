@@ -197,6 +197,9 @@ def test_engine_client_sigterm_during_startup_exits_zero_for_afd(
         init(object(), True, AFD_CFG, None, False)
     assert exit_.value.code == 0
     assert seen == [AFD_CFG]
+    import gc
+
+    gc.unfreeze()
     assert getattr(init, "_afd_patched", False)
 
 

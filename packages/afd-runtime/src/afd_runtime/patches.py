@@ -22,8 +22,8 @@
 
 3. ``MPClient.__init__`` (the API server's engine client; it waits for its engine cores to be
    built, and an AFD engine core is built only once its peer role is there): for AFD roles,
-   run it under :func:`afd_runtime.signals.termination_reaches_main_thread`, so a SIGTERM taken
-   by another thread during that wait still reaches vLLM's ``_interrupt_init`` handler, and
+   run it under :func:`afd_runtime.signals.termination_reaches_main_thread`, so a SIGTERM during
+   that wait (measured: the first one left the API server waiting) still stops it, and
    end it with ``SystemExit(0)`` instead of ``KeyboardInterrupt`` when SIGTERM stopped it
    (the engine cores are stopped by vLLM's own cleanup; their AFD startup wait ends on the
    SIGTERM they get, see :mod:`afd_runtime.signals`). SIGINT keeps vLLM's
@@ -36,6 +36,7 @@ not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before pa
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import signal
 from collections.abc import Callable
@@ -215,6 +216,7 @@ def engine_client_init(original: Callable[..., None]) -> Callable[..., None]:
         except KeyboardInterrupt:
             if forwarder is not None and signal.SIGTERM in forwarder.handled:
                 _client_logger.info("AFD: SIGTERM while waiting for the engine core(s); exit 0")
+                gc.freeze()  # no final cyclic-GC pass over the API server's heap at exit
                 raise SystemExit(0) from None
             raise
 
