@@ -128,6 +128,7 @@ def assert_stopped_cleanly(
 ) -> None:
     """Exit 0 within ``bound_s`` without SIGKILL, no process, segment or listener left."""
     server = snap.server
+    print(result)
     assert result.exit_code == 0, (result, server.log_tail(30))
     assert not result.forced, (result, server.log_tail(30))
     assert result.elapsed_s <= bound_s, result

@@ -220,11 +220,9 @@ class StartupCoordinator:
             for rank, key in list(pending.items()):
                 if self.store.check([key]):
                     del pending[rank]
-            # Checked even when every key is there: a rank may publish ready and then fail
-            # (e.g. cancelled while it waits in the same barrier).
-            self.raise_if_failed([r for r in range(self.world_size) if r != self.rank])
             if not pending:
                 return
+            self.raise_if_failed([r for r in range(self.world_size) if r != self.rank])
             if time.monotonic() >= deadline:
                 raise AFDTimeoutError(
                     f"AFD startup stage {stage!r}: world ranks {sorted(pending)} not ready "

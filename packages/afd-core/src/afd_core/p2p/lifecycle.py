@@ -262,6 +262,8 @@ class _P2PLifecycle(AFDConnectorBase):
                     ) from hook_err
             stage = "ready"
             coord.barrier("ready", timeout_s=self._remaining(deadline))
+            # A rank may publish ready and then fail (e.g. cancelled inside this barrier).
+            coord.raise_if_failed()
         except BaseException as err:
             if self._coordinator is not None and not isinstance(
                 err, AFDStartupError | AFDPeerError
