@@ -932,3 +932,107 @@ def identity_rank(rank: int, port: int, a: int, f: int, case: str) -> dict[str, 
         return report
     conn.close()
     return {"error": None}
+
+
+def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
+    """A startup wait cancelled with :func:`afd_core.startup.cancel_startup`.
+
+    * ``connect`` (1 process, FFN rank 1 of a 1:1 world): no store server; cancelled from a
+      timer thread while the client probes for it.
+    * ``handshake`` (1 process, Attention rank 0): the store's master waits for the FFN rank's
+      handshake; cancelled from a SIGUSR1 handler (what a SIGTERM handler does).
+    * ``ready`` (2 processes): rank 0's ready hook sleeps 6 s; rank 1 waits in the ``ready``
+      barrier and is cancelled after 3 s; rank 0 then sees rank 1's published failure.
+    """
+    from afd_core.startup import cancel_startup
+
+    topo = AFDTopology(1, 1)
+    if case == "connect":
+        rank = 1
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, 1, 1, timeout_s=60.0)
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    hook = (lambda _conn: time.sleep(6.0)) if case == "ready" and rank == 0 else None
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=1, ready_hook=hook)
+    if case == "handshake":
+        signal.signal(signal.SIGUSR1, lambda *_: cancel_startup("SIGUSR1"))
+        threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+    elif case == "connect":
+        threading.Timer(1.0, cancel_startup, ("test cancel",)).start()
+    elif rank == 1:
+        threading.Timer(3.0, cancel_startup, ("test cancel",)).start()
+    started = time.monotonic()
+    try:
+        conn.init()
+    except AFDError as err:
+        result = _err(err)
+        result["stage"] = getattr(err, "stage", None)
+        result["reason"] = getattr(err, "reason", None)
+        result["elapsed"] = time.monotonic() - started
+        result["initialized_after"] = conn.is_initialized
+        return result
+    finally:
+        conn.close()
+    return {"type": None}
+
+
+def exit_in_init_rank(rank: int, port: int) -> dict[str, Any]:
+    """1:1 world; rank 0's ready hook raises ``SystemExit(0)``: rank 0's ``init`` must let it
+    through (not turn it into a peer error), rank 1 must see rank 0's published failure."""
+    topo = AFDTopology(1, 1)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, 1, 1, timeout_s=30.0)
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+
+    def hook(_conn: Any) -> None:
+        raise SystemExit(0)
+
+    conn = P2PConnector(
+        cfg,
+        topo,
+        role_rank,
+        payload_spec=spec,
+        num_layers=1,
+        ready_hook=hook if rank == 0 else None,
+    )
+    try:
+        conn.init()
+    except SystemExit as exit_:
+        return {"type": "SystemExit", "code": exit_.code, "initialized_after": conn.is_initialized}
+    except AFDError as err:
+        result = _err(err)
+        result["stage"] = getattr(err, "stage", None)
+        result["reason"] = getattr(err, "reason", None)
+        return result
+    finally:
+        conn.close()
+    return {"type": None}
+
+
+def failure_before_init_rank(rank: int, port: int) -> dict[str, Any]:
+    """1:1 world; the FFN rank fails before its ``init`` (as if loading its model) and publishes
+    that with ``P2PConnector.publish_startup_failure``; the Attention rank's ``init`` must fail
+    at once naming the FFN rank, the stage and the reason (its startup timeout is 60 s)."""
+    topo = AFDTopology(1, 1)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, 1, 1, timeout_s=60.0)
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    started = time.monotonic()
+    if role is AFDRole.FFN:
+        time.sleep(0.5)  # the Attention rank (the store's server) may start later: it waits
+        delivered = P2PConnector.publish_startup_failure(
+            cfg, role_rank, "load", "OSError: weights file unreadable"
+        )
+        return {"delivered": delivered, "elapsed": time.monotonic() - started}
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=1)
+    try:
+        conn.init()
+    except AFDError as err:
+        result = _err(err)
+        result["stage"] = getattr(err, "stage", None)
+        result["reason"] = getattr(err, "reason", None)
+        result["elapsed"] = time.monotonic() - started
+        return result
+    finally:
+        conn.close()
+    return {"type": None}

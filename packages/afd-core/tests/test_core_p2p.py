@@ -642,3 +642,59 @@ def test_attention_notices_idle_ffn_loss_and_pairs_with_its_replacement() -> Non
     assert dup["type"] == "AFDStartupError" and dup["stage"] == "claim", dup
     assert "already claimed in round 2" in dup["msg"], dup
     assert repl["goodbye"] is True
+
+
+@pytest.mark.parametrize("case", ["connect", "handshake"])
+def test_cancel_ends_a_waiting_init_at_once(case: str) -> None:
+    (result,) = ok(
+        run_world(worlds.cancel_startup_rank, 1, free_port(), case, timeout_s=60)
+    ).values()
+    assert result["type"] == "AFDCancelledError", result
+    assert result["stage"] == case
+    assert result["reason"] == ("test cancel" if case == "connect" else "SIGUSR1")
+    # Cancelled after 1 s of a 60 s startup timeout: ends within one poll, not the timeout.
+    assert 0.9 < result["elapsed"] < 10.0, result
+    assert result["initialized_after"] is False
+
+
+@pytest.mark.timeout(120)
+def test_cancel_in_the_ready_barrier_is_published_to_the_peer() -> None:
+    results = ok(run_world(worlds.cancel_startup_rank, 2, free_port(), "ready", timeout_s=60))
+    assert results[1]["type"] == "AFDCancelledError", results
+    assert results[1]["stage"] == "ready"
+    # Rank 0 finishes its 6 s ready hook, then fails at once naming rank 1's cancellation.
+    assert results[0]["type"] == "AFDStartupError", results
+    assert (results[0]["rank"], results[0]["stage"]) == (1, "ready")
+    assert "AFDCancelledError" in results[0]["reason"] and "test cancel" in results[0]["reason"]
+    assert results[0]["elapsed"] < 20.0, results
+
+
+@pytest.mark.timeout(120)
+def test_system_exit_in_init_is_not_a_peer_error() -> None:
+    results = ok(run_world(worlds.exit_in_init_rank, 2, free_port(), timeout_s=60))
+    assert results[0] == {"type": "SystemExit", "code": 0, "initialized_after": False}
+    assert results[1]["type"] == "AFDStartupError", results
+    assert (results[1]["rank"], results[1]["stage"]) == (0, "ready_hook")
+    assert results[1]["reason"].startswith("SystemExit")
+
+
+@pytest.mark.timeout(120)
+def test_failure_published_before_init_fails_the_peer_init_at_once() -> None:
+    results = ok(run_world(worlds.failure_before_init_rank, 2, free_port(), timeout_s=60))
+    assert results[1]["delivered"] is True, results
+    err = results[0]
+    assert err["type"] == "AFDStartupError", results
+    assert (err["rank"], err["stage"], err["reason"]) == (
+        1,
+        "load",
+        "OSError: weights file unreadable",
+    )
+    assert "world rank 1 failed during 'load': OSError: weights file unreadable" in err["msg"]
+    assert err["elapsed"] < 20.0, err  # its startup timeout is 60 s
+
+
+def test_publish_startup_failure_without_a_server_is_bounded_and_reports_false() -> None:
+    cfg = AFDConfig(role=AFDRole.FFN, port=free_port(), num_attention_ranks=1, num_ffn_ranks=1)
+    t0 = time.monotonic()
+    assert P2PConnector.publish_startup_failure(cfg, 0, "load", "x", timeout_s=1.5) is False
+    assert time.monotonic() - t0 < 10.0

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist
-from afd_core.errors import AFDConfigError, AFDStartupError, AFDTimeoutError
-from afd_core.startup import StartupCoordinator
+from afd_core.errors import AFDCancelledError, AFDConfigError, AFDStartupError, AFDTimeoutError
+from afd_core.startup import (
+    StartupCoordinator,
+    cancel_startup,
+    check_startup_cancelled,
+    clear_startup_cancel,
+    open_tcp_store,
+    startup_cancel_reason,
+)
 
 
 def coords(n: int, timeout_s: float = 5.0) -> list[StartupCoordinator]:
@@ -100,3 +108,67 @@ def test_invalid_arguments(kwargs: dict[str, float], field: str) -> None:
     with pytest.raises(AFDConfigError) as info:
         StartupCoordinator(dist.HashStore(), **args)  # type: ignore[arg-type]
     assert info.value.field == field
+
+
+@pytest.fixture
+def no_cancel() -> Iterator[None]:
+    clear_startup_cancel()
+    yield
+    clear_startup_cancel()
+
+
+def test_cancel_unblocks_wait_keys_naming_stage_and_reason(no_cancel: None) -> None:
+    c0, _ = coords(2, timeout_s=30.0)
+    threading.Timer(0.3, cancel_startup, ("SIGTERM",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(AFDCancelledError) as err:
+        c0.barrier("handshake")
+    assert time.monotonic() - t0 < 5.0
+    assert (err.value.stage, err.value.reason) == ("handshake", "SIGTERM")
+    assert "cancelled during 'handshake': SIGTERM" in str(err.value)
+
+
+def test_cancel_keeps_first_reason_until_cleared(no_cancel: None) -> None:
+    assert startup_cancel_reason() is None
+    check_startup_cancelled("x")  # not cancelled: no error
+    cancel_startup("SIGTERM")
+    cancel_startup("SIGINT")
+    assert startup_cancel_reason() == "SIGTERM"
+    with pytest.raises(AFDCancelledError, match="'x': SIGTERM"):
+        check_startup_cancelled("x")
+    clear_startup_cancel()
+    assert startup_cancel_reason() is None
+    c0, c1 = coords(2)
+    c1.publish_ready("s")
+    c0.wait_ready("s", ranks=[1])  # waits work again
+
+
+def test_cancel_unblocks_a_store_client_waiting_for_its_server(no_cancel: None) -> None:
+    from afd_core.testing import free_port
+
+    port = free_port()  # nothing listens there
+    threading.Timer(1.0, cancel_startup, ("SIGTERM",)).start()
+    t0 = time.monotonic()
+    with pytest.raises(AFDCancelledError) as err:
+        open_tcp_store("127.0.0.1", port, is_master=False, timeout_s=60.0)
+    assert 0.9 < time.monotonic() - t0 < 5.0
+    assert err.value.stage == "connect"
+
+
+def test_store_client_connects_once_its_server_appears(no_cancel: None) -> None:
+    from afd_core.testing import free_port
+
+    port = free_port()
+    servers: list[dist.TCPStore] = []
+
+    def serve() -> None:
+        time.sleep(1.0)
+        servers.append(dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False))
+
+    server = threading.Thread(target=serve)
+    server.start()
+    client = open_tcp_store("127.0.0.1", port, is_master=False, timeout_s=30.0)
+    client.set("k", "v")
+    server.join(30)  # the server listens before its constructor returns
+    assert servers[0].get("k") == b"v"
+    assert client.timeout.total_seconds() == 30.0

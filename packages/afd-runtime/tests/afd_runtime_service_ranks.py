@@ -333,3 +333,26 @@ def ids_attention_main(port: int, rank: int, q: Any, barrier: Any) -> None:
     conn.send_control(AFDControlMessage.shutdown_message())
     conn.close()
     q.put((f"attention{rank}", all(results), len(results)))
+
+
+def ffn_waiting_then_sigterm(port: int, q: Any) -> None:
+    """An FFN service waiting for an Attention role that never comes; SIGTERM (handled like the
+    FFN engine does: cancel startup, then the previous handler) must end the service thread
+    without an error, well before its 60 s startup timeout."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from afd_runtime.signals import cancel_startup_on_signals
+
+    signal.signal(signal.SIGTERM, lambda *_: None)  # stands in for vLLM's recording handler
+    assert cancel_startup_on_signals()
+    cfg = config("ffn", port, startup_timeout_s=60.0)
+    svc = FFNService(cfg, 0, LAYERS, lambda *a: a[1], lambda: connector(cfg, 0))
+    svc.start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    threading.Timer(0.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
+    ended = svc.wait(20.0)
+    q.put(("ffn", ended, (time.monotonic() - t0, svc.failed, svc.deployments)))

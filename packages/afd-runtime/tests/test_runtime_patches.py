@@ -169,11 +169,14 @@ def test_apply_patches_is_idempotent() -> None:
     pytest.importorskip("vllm")
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core_client import MPClient
 
     patches.apply_vllm_patches()
-    first = (EngineArgs.create_engine_config, EngineCoreProc.run_busy_loop)
+    first = (EngineArgs.create_engine_config, EngineCoreProc.run_busy_loop, MPClient.__init__)
     patches.apply_vllm_patches()
-    assert (EngineArgs.create_engine_config, EngineCoreProc.run_busy_loop) == first
+    assert (EngineArgs.create_engine_config, EngineCoreProc.run_busy_loop, MPClient.__init__) == (
+        first
+    )
     assert patches.patches_applied()
 
 
@@ -198,3 +201,58 @@ def test_non_loopback_host_without_secret_is_refused_before_anything_changes(
     monkeypatch.setenv("AFD_SECRET", "s" * 16)
     patches.select_afd_worker(cfg, on_cpu=True)
     assert cfg.parallel_config.worker_cls == AFD_WORKERS[CPU][1]
+
+
+AFD_CFG = SimpleNamespace(additional_config={"afd": {"role": "attention", "port": 29000}})
+PLAIN_CFG = SimpleNamespace(additional_config={})
+
+
+@pytest.fixture
+def sigterm_raises_keyboard_interrupt() -> Any:
+    """vLLM's API server handler during startup (``_interrupt_init``); restored afterwards."""
+    import signal
+
+    saved = signal.getsignal(signal.SIGTERM)
+
+    def interrupt_init(*_: Any) -> None:
+        raise KeyboardInterrupt("terminated")
+
+    signal.signal(signal.SIGTERM, interrupt_init)
+    yield
+    signal.signal(signal.SIGTERM, saved)
+
+
+def _blocking_init(seen: list[Any]) -> Any:
+    def init(self: Any, asyncio_mode: bool, vllm_config: Any, *args: Any, **kw: Any) -> None:
+        import time
+
+        seen.append(vllm_config)
+        import signal
+
+        signal.raise_signal(signal.SIGTERM)
+        time.sleep(2.0)  # the handler runs here (main thread, between bytecodes)
+
+    return init
+
+
+def test_engine_client_sigterm_during_startup_exits_zero_for_afd(
+    sigterm_raises_keyboard_interrupt: None,
+) -> None:
+    seen: list[Any] = []
+    init = patches.engine_client_init(_blocking_init(seen))
+    with pytest.raises(SystemExit) as exit_:
+        init(object(), True, AFD_CFG, None, False)
+    assert exit_.value.code == 0
+    assert seen == [AFD_CFG]
+    import gc
+
+    gc.unfreeze()
+    assert getattr(init, "_afd_patched", False)
+
+
+def test_engine_client_without_afd_keeps_vllm_behaviour(
+    sigterm_raises_keyboard_interrupt: None,
+) -> None:
+    init = patches.engine_client_init(_blocking_init([]))
+    with pytest.raises(KeyboardInterrupt):
+        init(object(), True, PLAIN_CFG, None, False)

@@ -19,6 +19,7 @@ from afd_core.connector import (
 )
 from afd_core.errors import (
     AFDAccessError,
+    AFDCancelledError,
     AFDConfigError,
     AFDConnectorError,
     AFDContextError,
@@ -47,7 +48,7 @@ from afd_core.metadata import (
     AFDPayloadSpec,
     AFDTransferMetadata,
 )
-from afd_core.startup import StartupCoordinator
+from afd_core.startup import StartupCoordinator, cancel_startup
 from afd_core.topology import AFDTopology
 
 __version__ = _version("afd-core")
@@ -55,6 +56,7 @@ __version__ = _version("afd-core")
 __all__ = [
     "PAYLOAD_FIELDS",
     "AFDAccessError",
+    "AFDCancelledError",
     "AFDConfig",
     "AFDConfigError",
     "AFDConnectorBase",
@@ -83,6 +85,7 @@ __all__ = [
     "StartupCoordinator",
     "__version__",
     "available_connectors",
+    "cancel_startup",
     "create_connector",
     "dbo_yield",
     "get_afd_forward_metadata",

@@ -304,6 +304,24 @@ class AFDConnectorBase(ABC):
         self._failure = None
         self._failure_event.clear()
 
+    @classmethod
+    def publish_startup_failure(
+        cls,
+        config: AFDConfig,
+        role_rank: int,
+        stage: str,
+        reason: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Tell the peers that this rank (``config.role``, ``role_rank``) failed in ``stage``
+        before its ``init`` (e.g. while loading its model), so their ``init`` fails at once with
+        :class:`AFDStartupError` naming this rank, ``stage`` and ``reason`` instead of waiting
+        ``startup_timeout_s``. Bounded in time (``timeout_s``, default the config's
+        ``startup_timeout_s``); never raises; True when the failure was delivered. The default
+        delivers nothing (returns False): the peers then time out."""
+        return False
+
     def __enter__(self) -> AFDConnectorBase:
         self.init()
         return self

@@ -15,6 +15,7 @@ from typing import Any
 
 __all__ = [
     "AFDAccessError",
+    "AFDCancelledError",
     "AFDConfigError",
     "AFDConnectorError",
     "AFDContextError",
@@ -153,3 +154,18 @@ class AFDPeerError(AFDConnectorError):
 
 class AFDStartupError(AFDPeerError):
     """A rank published a startup failure; every waiting peer raises this naming rank and stage."""
+
+
+class AFDCancelledError(AFDConnectorError):
+    """A startup wait was cancelled on purpose (:func:`afd_core.startup.cancel_startup`, e.g. by
+    the process's SIGTERM handler): the rank is shutting down, not failing.
+
+    Attributes:
+        stage: the startup stage that was waiting.
+        reason: why startup was cancelled (e.g. ``"SIGTERM"``).
+    """
+
+    def __init__(self, stage: str, reason: str) -> None:
+        self.stage = stage
+        self.reason = reason
+        super().__init__(f"AFD startup cancelled during {stage!r}: {reason}")

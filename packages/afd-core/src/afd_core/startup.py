@@ -14,6 +14,13 @@ Invariants:
 * A failure is sticky: later publications by the same rank do not overwrite the first reason.
 * Publishing a failure never raises (the store may already be gone); it returns whether it
   reached the store.
+* Cancellation: :func:`cancel_startup` (called e.g. from a SIGTERM handler; it only stores a
+  string, so it is safe in a signal handler) makes every startup wait of this process that
+  checks it -- each poll of :meth:`StartupCoordinator.wait_keys` (so every barrier), and the
+  client's connection retries in :func:`open_tcp_store` -- raise :class:`AFDCancelledError`
+  within one poll interval. It stays set until :func:`clear_startup_cancel`. The blocking
+  C++ calls in between (one store operation, a process group's creation once every rank is
+  present) are not interruptible; each is bounded by its own timeout.
 """
 
 from __future__ import annotations
@@ -28,9 +35,17 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from afd_core.access import StoreGate, StoreTunnel, listen_socket
-from afd_core.errors import AFDConfigError, AFDStartupError, AFDTimeoutError
+from afd_core.errors import AFDCancelledError, AFDConfigError, AFDStartupError, AFDTimeoutError
 
-__all__ = ["StartupCoordinator", "StartupFailure", "open_tcp_store"]
+__all__ = [
+    "StartupCoordinator",
+    "StartupFailure",
+    "cancel_startup",
+    "check_startup_cancelled",
+    "clear_startup_cancel",
+    "open_tcp_store",
+    "startup_cancel_reason",
+]
 
 
 @dataclass
@@ -39,6 +54,56 @@ class _ServedStore:
 
     store: dist.TCPStore
     gate: StoreGate | None
+
+
+#: Why startup was cancelled in this process (``None``: not cancelled). A plain assignment, so
+#: :func:`cancel_startup` can run inside a signal handler (no lock that the interrupted thread
+#: might hold).
+_CANCEL_REASON: str | None = None
+#: How long one connection probe of a store client waits before it checks cancellation again.
+CONNECT_PROBE_S = 0.5
+
+
+def cancel_startup(reason: str) -> None:
+    """Cancel every startup wait of this process (see the module docstring); idempotent, the
+    first reason is kept. Safe to call from a signal handler."""
+    global _CANCEL_REASON
+    if _CANCEL_REASON is None:
+        _CANCEL_REASON = str(reason) or "cancelled"
+
+
+def startup_cancel_reason() -> str | None:
+    """The reason given to :func:`cancel_startup`, or ``None`` when startup is not cancelled."""
+    return _CANCEL_REASON
+
+
+def clear_startup_cancel() -> None:
+    """Allow startup waits again (a process that keeps running after a cancelled startup)."""
+    global _CANCEL_REASON
+    _CANCEL_REASON = None
+
+
+def check_startup_cancelled(stage: str) -> None:
+    """Raise :class:`AFDCancelledError` naming ``stage`` if startup was cancelled."""
+    reason = _CANCEL_REASON
+    if reason is not None:
+        raise AFDCancelledError(stage, reason)
+
+
+def _wait_for_listener(host: str, port: int, timeout_s: float) -> None:
+    """Probe ``host:port`` until something accepts a TCP connection, checking cancellation
+    between probes; on expiry return (the store client then reports its own timeout)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        check_startup_cancelled("connect")
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        try:
+            with socket.create_connection((host, port), timeout=min(CONNECT_PROBE_S, remaining)):
+                return
+        except OSError:
+            time.sleep(min(CONNECT_PROBE_S, max(deadline - time.monotonic(), 0.0)))
 
 
 _MASTER_STORES: dict[tuple[str, int], _ServedStore] = {}
@@ -59,8 +124,11 @@ def open_tcp_store(
     The master's store server is cached per ``(host, port)`` for the life of the process so that
     a connector can be closed and initialised again without re-binding the port (clients of a
     new initialisation use a fresh key prefix, see ``P2PConnector``). Clients retry the
-    connection until ``timeout_s`` expires (the master may start later).
+    connection until ``timeout_s`` expires (the master may start later); while no server
+    listens they wait in silent probes that honour :func:`cancel_startup` (raising
+    :class:`AFDCancelledError`), and connect once one does.
     """
+    check_startup_cancelled("connect")
     timeout = timedelta(seconds=timeout_s)
     if is_master:
         cached = _MASTER_STORES.get((host, port))
@@ -82,11 +150,20 @@ def open_tcp_store(
         gate = StoreGate(public, ("127.0.0.1", backend_port), secret)
         _MASTER_STORES[(host, port)] = _ServedStore(store, gate)
         return store
+    started = time.monotonic()
+    _wait_for_listener(host, port, timeout_s)
+    remaining = max(timeout_s - (time.monotonic() - started), 0.001)
     if secret is None:
-        return dist.TCPStore(host, port, None, False, timeout=timeout)
-    tunnel = StoreTunnel(host, port, secret, timeout_s)
+        client = dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=remaining))
+        client.set_timeout(timeout)
+        return client
+    tunnel = StoreTunnel(host, port, secret, remaining)
     try:
-        return dist.TCPStore("127.0.0.1", tunnel.port, None, False, timeout=timeout)
+        client = dist.TCPStore(
+            "127.0.0.1", tunnel.port, None, False, timeout=timedelta(seconds=remaining)
+        )
+        client.set_timeout(timeout)
+        return client
     finally:
         tunnel.close()
 
@@ -203,11 +280,13 @@ class StartupCoordinator:
     def wait_keys(
         self, keys: Mapping[int, str], stage: str, timeout_s: float | None = None
     ) -> None:
-        """Wait until every ``keys[rank]`` exists, failing fast on a failure of any such rank."""
+        """Wait until every ``keys[rank]`` exists, failing fast on a failure of any other rank
+        (:class:`AFDStartupError`) and on :func:`cancel_startup` (:class:`AFDCancelledError`)."""
         timeout = self.timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout
         pending = dict(keys)
         while True:
+            check_startup_cancelled(stage)
             for rank, key in list(pending.items()):
                 if self.store.check([key]):
                     del pending[rank]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from afd_core.connector import AFDConnectorBase
 from afd_core.errors import AFDConnectorError, AFDPeerError
@@ -81,10 +81,11 @@ class AttentionLink:
 
     # -- lifecycle -------------------------------------------------------------------------
 
-    def connect(self) -> None:
+    def connect(self, init: Callable[[], None] | None = None) -> None:
         """First ``init`` (blocking; its errors propagate: a startup failure stays fatal), then
-        start the supervisor thread."""
-        self.connector.init()
+        start the supervisor thread. ``init`` replaces ``connector.init`` for this first one
+        (the worker's makes it end on SIGTERM)."""
+        (init or self.connector.init)()
         self._thread = threading.Thread(
             target=self._supervise, name=f"afd-link-{self.name}", daemon=True
         )

@@ -40,6 +40,8 @@ Lifecycle and failures:
   fatal, and so is a compute error: it is published through the connector
   (:meth:`afd_core.connector.AFDConnectorBase.abort`), so the Attention ranks' waits fail at once
   with this rank's error text, and then re-raised by :meth:`FFNService.raise_if_failed`.
+* A startup cancelled by SIGTERM/SIGINT (:class:`afd_core.errors.AFDCancelledError`, see
+  :mod:`afd_runtime.signals`) ends the loop without an error.
 * :meth:`FFNService.stop` is idempotent; a thread blocked waiting for an idle peer cannot be
   interrupted (the transport offers no cancellation): it is a daemon thread and ends with the
   process.
@@ -57,6 +59,7 @@ import torch
 from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnectorBase
 from afd_core.errors import (
+    AFDCancelledError,
     AFDHandshakeError,
     AFDPeerError,
     AFDProtocolError,
@@ -244,6 +247,11 @@ class FFNService:
             self._idle.set()
             try:
                 connector.init()
+            except AFDCancelledError as exc:
+                # SIGTERM/SIGINT while waiting for the Attention role: stop, not a failure.
+                connector.close()
+                logger.info("AFD FFN rank %d: %s", self.ffn_rank, exc)
+                return None
             except AFDHandshakeError:
                 raise
             except (AFDTimeoutError, AFDPeerError) as exc:

@@ -27,6 +27,15 @@
 3. The Attention role's behaviour while its FFN role is lost (requests fail with a clear error,
    ``/health`` answers 503, the engine stays up): :mod:`afd_runtime.ffn_loss`.
 
+3. ``MPClient.__init__`` (the API server's engine client; it waits for its engine cores to be
+   built, and an AFD engine core is built only once its peer role is there): for AFD roles,
+   run it under :func:`afd_runtime.signals.termination_reaches_main_thread`, so a SIGTERM during
+   that wait (measured: the first one left the API server waiting) still stops it, and
+   end it with ``SystemExit(0)`` instead of ``KeyboardInterrupt`` when SIGTERM stopped it
+   (the engine cores are stopped by vLLM's own cleanup; their AFD startup wait ends on the
+   SIGTERM they get, see :mod:`afd_runtime.signals`). SIGINT keeps vLLM's
+   ``KeyboardInterrupt``. No AFD: unchanged.
+
 Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
 not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
 """
@@ -34,7 +43,10 @@ not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before pa
 from __future__ import annotations
 
 import functools
+import gc
 import logging
+import signal
+from collections.abc import Callable
 from typing import Any, Final
 
 from afd_core.access import deployment_secret
@@ -42,6 +54,7 @@ from afd_core.config import AFDConfig, AFDRole, parse_additional_config_json, pa
 from afd_core.errors import AFDConfigError
 
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
+from afd_runtime.signals import termination_reaches_main_thread
 from afd_runtime.vllm_compat import check_vllm_version
 from afd_runtime.workers import afd_worker_qualname
 
@@ -201,11 +214,46 @@ def ffn_busy_loop(engine_core: Any) -> None:
     raise SystemExit
 
 
+# The engine client runs in the API server, where only vLLM's logger tree has handlers.
+_client_logger = logging.getLogger("vllm.afd.patches")
+
+
+def _is_afd_config(vllm_config: Any) -> bool:
+    return parse_afd_config(getattr(vllm_config, "additional_config", None)) is not None
+
+
+def engine_client_init(original: Callable[..., None]) -> Callable[..., None]:
+    """The patched ``MPClient.__init__`` (see the module docstring, patch 3)."""
+
+    @functools.wraps(original)
+    def __init__(
+        self: Any, asyncio_mode: bool, vllm_config: Any, *args: Any, **kwargs: Any
+    ) -> None:
+        if not _is_afd_config(vllm_config):
+            original(self, asyncio_mode, vllm_config, *args, **kwargs)
+            return
+        forwarder = None
+        try:
+            with termination_reaches_main_thread() as forwarder:
+                _client_logger.info("AFD: waiting for the engine core(s); SIGTERM/SIGINT watched")
+                original(self, asyncio_mode, vllm_config, *args, **kwargs)
+        except KeyboardInterrupt:
+            if forwarder is not None and signal.SIGTERM in forwarder.handled:
+                _client_logger.info("AFD: SIGTERM while waiting for the engine core(s); exit 0")
+                gc.freeze()  # no final cyclic-GC pass over the API server's heap at exit
+                raise SystemExit(0) from None
+            raise
+
+    setattr(__init__, _MARK, True)
+    return __init__
+
+
 def apply_vllm_patches() -> None:
     """Install the patches (idempotent; vLLM 0.32.x only)."""
     check_vllm_version()
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core_client import MPClient
 
     original_create = EngineArgs.create_engine_config
     if not getattr(original_create, _MARK, False):
@@ -239,6 +287,10 @@ def apply_vllm_patches() -> None:
         setattr(run_busy_loop, _MARK, True)
         EngineCoreProc.run_busy_loop = run_busy_loop
 
+    original_client_init = MPClient.__init__
+    if not getattr(original_client_init, _MARK, False):
+        MPClient.__init__ = engine_client_init(original_client_init)
+
     install_ffn_loss_patches()
 
 
@@ -246,9 +298,11 @@ def patches_applied() -> bool:
     """True when every patch is installed."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core_client import MPClient
 
     return bool(
         getattr(EngineArgs.create_engine_config, _MARK, False)
         and getattr(EngineCoreProc.run_busy_loop, _MARK, False)
+        and getattr(MPClient.__init__, _MARK, False)
         and ffn_loss_patches_applied()
     )

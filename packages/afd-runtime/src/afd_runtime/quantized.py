@@ -19,13 +19,12 @@ The adapter's FFN model quantized its experts at load (no float copy stays resid
   whose quantization geometry differs.
 
 Fault injection for tests: ``AFD_INJECT_FAULT=mega_bind`` in the FFN process makes every Mega bind
-fail (a real bind failure on CPU has no other trigger).
+fail (a real bind failure on CPU has no other trigger; see :mod:`afd_runtime.faults`).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Final, Protocol, runtime_checkable
 
 import torch
@@ -42,10 +41,10 @@ from afd_core.connector import AFDConnectorBase
 from afd_core.metadata import AFDPayloadSpec
 from afd_weights import QuantizedExpertWeights
 
+from afd_runtime.faults import FAULT_ENV, raise_if_injected  # noqa: F401  (FAULT_ENV: re-exported)
+
 logger = logging.getLogger(__name__)
 
-#: Environment variable naming a fault to inject (tests only); ``mega_bind`` fails every bind.
-FAULT_ENV: Final[str] = "AFD_INJECT_FAULT"
 #: Printed once per FFN rank (a stable, prefix-free line for log parsers).
 QUANT_FORMAT: Final[str] = (
     "AFD FFN rank={rank} quantized compute={kind} scheme={scheme} group_size={group} "
@@ -142,10 +141,7 @@ class QuantizedFFNCompute:
         if not self.needs_bind:
             return
         info = connector.group_info()
-        if os.environ.get(FAULT_ENV) == "mega_bind":
-            raise RuntimeError(
-                f"Mega bind to group {info.name!r} failed (injected: {FAULT_ENV}=mega_bind)"
-            )
+        raise_if_injected("mega_bind", f"Mega bind to group {info.name!r}")
         mega = MegaCompute(self.weights, self.config, self.backend)
         mega.bind(
             MegaCommParams(

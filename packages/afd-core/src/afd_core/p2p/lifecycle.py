@@ -282,6 +282,8 @@ class _P2PLifecycle(AFDConnectorBase):
                     ) from hook_err
             stage = "ready"
             coord.barrier("ready", timeout_s=self._remaining(deadline))
+            # A rank may publish ready and then fail (e.g. cancelled inside this barrier).
+            coord.raise_if_failed()
             self._start_liveness(ns)
         except BaseException as err:
             if self._coordinator is not None and not isinstance(
@@ -289,7 +291,11 @@ class _P2PLifecycle(AFDConnectorBase):
             ):
                 self._coordinator.publish_failure(stage, f"{type(err).__name__}: {err}")
             self._teardown()
-            if isinstance(err, AFDConnectorError | AFDConfigError | KeyboardInterrupt):
+            # Exit requests (KeyboardInterrupt, SystemExit) and cancellation keep their type:
+            # the process is stopping, which is not a peer's failure.
+            if not isinstance(err, Exception) or isinstance(
+                err, AFDConnectorError | AFDConfigError
+            ):
                 raise
             text = str(err).lower()
             if isinstance(err, TimeoutError) or "timeout" in text or "timed out" in text:
@@ -409,6 +415,58 @@ class _P2PLifecycle(AFDConnectorBase):
                 detail=f"{self.config.host}:{self.config.port} is already in use by another "
                 f"process: {type(err).__name__}: {err}",
             ) from err
+
+    @classmethod
+    def publish_startup_failure(
+        cls,
+        config: AFDConfig,
+        role_rank: int,
+        stage: str,
+        reason: str,
+        *,
+        timeout_s: float | None = None,
+    ) -> bool:
+        """Publish the failure of this rank (``config.role``, ``role_rank``) in ``stage`` on the
+        startup store, for a rank that fails before its ``init`` (e.g. loading its model): the
+        peers' ``init`` then raises :class:`AFDStartupError` naming this rank, ``stage`` and
+        ``reason`` at once instead of waiting ``startup_timeout_s``.
+
+        Connects like ``init`` (into world rank 0's current round: the failure lands where the
+        peers' current initialisation looks; world rank 0 itself opens a new round for it),
+        publishes, disconnects. Bounded by ``timeout_s``
+        (default ``config.startup_timeout_s``) spent waiting for the store's server; never
+        raises; True when the failure reached the store. World rank 0 serves the store itself,
+        so its failure only reaches peers that connect while this process lives."""
+        try:
+            topology = AFDTopology.from_config(config)
+            world_rank = topology.world_rank(config.role, role_rank)
+            wait_s = config.startup_timeout_s if timeout_s is None else float(timeout_s)
+            deadline = time.monotonic() + wait_s
+            root = open_tcp_store(
+                config.host,
+                config.port,
+                is_master=world_rank == 0,
+                timeout_s=wait_s,
+                secret=deployment_secret(config.host),
+            )
+            if world_rank == 0:
+                generation = int(root.add(_ROUND_KEY, 1))
+            else:
+                generation = int(root.add(_ROUND_KEY, 0))
+                while generation == 0 and time.monotonic() < deadline:
+                    time.sleep(_ROUND_POLL_S)
+                    generation = int(root.add(_ROUND_KEY, 0))
+                if generation == 0:
+                    return False
+            coord = StartupCoordinator(
+                dist.PrefixStore(f"afd/g{generation}", root),
+                rank=world_rank,
+                world_size=topology.world_size,
+                timeout_s=wait_s,
+            )
+            return coord.publish_failure(stage, reason)
+        except Exception:
+            return False
 
     def _remaining(self, deadline: float) -> float:
         return max(deadline - time.monotonic(), 0.001)

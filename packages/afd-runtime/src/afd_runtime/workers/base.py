@@ -24,6 +24,7 @@ call more than once.
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
@@ -31,16 +32,24 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector import AFDConnectorBase, ReadyHook, create_connector
+from afd_core.connector import (
+    AFDConnectorBase,
+    ReadyHook,
+    create_connector,
+    get_connector_class,
+)
+from afd_core.errors import AFDCancelledError
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 
 from afd_runtime.attention_link import AFDFFNUnavailableError, AttentionLink
 from afd_runtime.compute import AFDFFNModel, select_ffn_compute
+from afd_runtime.faults import raise_if_injected
 from afd_runtime.ffn_service import FFNService
 from afd_runtime.identity import model_identity
 from afd_runtime.quantized import QuantizedFFNCompute
 from afd_runtime.roles import report_param_bytes, require_afd_config, role_rank
+from afd_runtime.signals import cancel_startup_on_signals
 
 logger = logging.getLogger(__name__)
 
@@ -141,6 +150,37 @@ def install_step_hook(model: torch.nn.Module, link: AttentionLink) -> None:
     model._afd_step_hook = True  # type: ignore[assignment]
 
 
+def init_or_exit_on_signal(connector: AFDConnectorBase, who: str) -> None:
+    """``connector.init()``, ended by SIGTERM/SIGINT while it waits for the peer role.
+
+    A cancelled init (:class:`AFDCancelledError`, see :mod:`afd_runtime.signals`) becomes
+    ``SystemExit(0)``: the engine is being stopped, which is not a failure, and vLLM's engine
+    core then exits with status 0 instead of waiting out ``startup_timeout_s``."""
+    cancel_startup_on_signals()
+    try:
+        connector.init()
+    except AFDCancelledError as err:
+        logger.info("%s: startup cancelled by %s while waiting for its peers", who, err.reason)
+        # Skip the interpreter's final cyclic-GC pass over the loaded engine (measured: seconds
+        # under load, past vLLM's 5 s before it force-kills the engine core).
+        gc.freeze()
+        raise SystemExit(0) from err
+
+
+def publish_load_failure(cfg: AFDConfig, rank: int, err: BaseException) -> bool:
+    """Tell the Attention role that this FFN rank failed to load (stage ``load``), so its
+    connector init fails at once with this message instead of waiting ``startup_timeout_s``.
+
+    Waits at most ``startup_timeout_s`` for the Attention role's store (it may start later)."""
+    reason = f"{type(err).__name__}: {err}"
+    logger.error("AFD FFN rank %d failed to load: %s", rank, reason)
+    cls = get_connector_class(cfg.connector)
+    delivered = cls.publish_startup_failure(cfg, rank, "load", reason)
+    if not delivered:
+        logger.warning("AFD FFN rank %d: the load failure could not be published", rank)
+    return delivered
+
+
 class AFDAttentionWorkerMixin:
     """Attention role: upstream worker + the AFD connector around every model forward."""
 
@@ -171,7 +211,7 @@ class AFDAttentionWorkerMixin:
             model_identity=model_identity(self.vllm_config),
         )
         link = AttentionLink(connector, name=f"rank {rank}")
-        link.connect()
+        link.connect(init=lambda: init_or_exit_on_signal(connector, f"AFD Attention rank {rank}"))
         self._afd_link = link
         install_step_hook(model, link)
         logger.info("AFD Attention rank %d connected through connector %r", rank, connector.name)
@@ -215,7 +255,18 @@ class AFDFFNWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = require_afd_config(self.vllm_config, AFDRole.FFN)
         rank = role_rank(self.vllm_config, cfg)
+        # The service thread's connector waits end at once on SIGTERM/SIGINT (see
+        # afd_runtime.signals); a load failure is published to the Attention role.
+        cancel_startup_on_signals()
+        try:
+            self._afd_load_ffn(cfg, rank, *args, **kwargs)
+        except Exception as err:
+            publish_load_failure(cfg, rank, err)
+            raise
+
+    def _afd_load_ffn(self, cfg: AFDConfig, rank: int, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
+        raise_if_injected("ffn_load", f"AFD FFN rank {rank} model load")
         model = self.model_runner.get_model()
         report_param_bytes(AFDRole.FFN, model)
         if not isinstance(model, AFDFFNModel):

@@ -1,0 +1,43 @@
+"""Fault injection for tests: the one place that reads ``AFD_INJECT_FAULT``.
+
+Set ``AFD_INJECT_FAULT=<name>`` in a role's environment to make that role fail at one point on
+purpose (a real failure there has no other trigger on CPU):
+
+* ``mega_bind``: every Mega bind of the FFN role fails (:mod:`afd_runtime.quantized`);
+* ``ffn_load``: the FFN role's model load fails after vLLM loaded the weights
+  (:class:`afd_runtime.workers.base.AFDFFNWorkerMixin`).
+
+An unknown name is refused (``ValueError`` naming the variable, the value and the known names)
+the first time any fault point asks, so a misspelt fault cannot silently test nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+#: Environment variable naming the fault to inject.
+FAULT_ENV: Final[str] = "AFD_INJECT_FAULT"
+#: The faults a role can be told to inject.
+KNOWN_FAULTS: Final[tuple[str, ...]] = ("ffn_load", "mega_bind")
+
+
+class InjectedFaultError(RuntimeError):
+    """The failure raised at a fault point named by ``AFD_INJECT_FAULT``."""
+
+
+def fault_injected(name: str) -> bool:
+    """True when ``AFD_INJECT_FAULT`` names ``name`` (one of :data:`KNOWN_FAULTS`)."""
+    if name not in KNOWN_FAULTS:
+        raise ValueError(f"fault point {name!r} is not one of {KNOWN_FAULTS}")
+    value = os.environ.get(FAULT_ENV, "")
+    if value and value not in KNOWN_FAULTS:
+        raise ValueError(f"{FAULT_ENV}={value!r}; allowed: one of {KNOWN_FAULTS} or unset")
+    return value == name
+
+
+def raise_if_injected(name: str, what: str) -> None:
+    """Raise :class:`InjectedFaultError` (``"<what> failed (injected: AFD_INJECT_FAULT=<name>)"``)
+    when ``name`` is the injected fault."""
+    if fault_injected(name):
+        raise InjectedFaultError(f"{what} failed (injected: {FAULT_ENV}={name})")
