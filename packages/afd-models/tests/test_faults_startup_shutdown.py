@@ -212,7 +212,7 @@ def test_sigterm_idle_attention_first_then_serving_ffn_first(
     1. both up and idle: SIGTERM the Attention role (exit 0 within the bound, clean);
     2. the FFN, now waiting for a new deployment, serves a restarted Attention role;
     3. while that one streams requests, SIGTERM the FFN (exit 0 within the bound, clean);
-       then SIGTERM the Attention role (exit within the bound, nothing left behind)."""
+       the Attention role stays up; SIGTERM it (exit 0 within the bound, clean)."""
     attention, ffn = roles(model, log_dir, "idle")
     cleanup += [attention, ffn]
     ffn.start()
@@ -251,16 +251,12 @@ def test_sigterm_idle_attention_first_then_serving_ffn_first(
     f_res = ffn.stop(timeout_s=2 * STOP_BOUND_S)
     print(f_res)
     assert_stopped_cleanly(f_res, f_snap)
-    a_snap = Snapshot(second)
-    a_res = second.stop(timeout_s=2 * STOP_BOUND_S)
-    print(a_res, second.log_tail(20))
+    # The Attention role lost its FFN mid-stream: it stays up (reconnecting, /health 503) and
+    # still stops cleanly on SIGTERM.
     loader.join(60)
-    # The Attention role lost its FFN mid-stream; whatever it reports for that (issue item 2),
-    # it stops within the bound and leaves nothing behind.
-    assert not a_res.forced and a_res.elapsed_s <= STOP_BOUND_S, a_res
-    assert second._session_members() == []
-    assert not [p for p in a_snap.shm if os.path.exists(p)]
-    assert not any(_listening(p) for p in a_snap.ports)
+    assert second.poll() is None, second.log_tail(30)
+    a_snap = Snapshot(second)
+    assert_stopped_cleanly(second.stop(timeout_s=2 * STOP_BOUND_S), a_snap)
 
 
 # ------------------------------------------------------------ item 3: FFN fails in startup
