@@ -170,6 +170,7 @@ def _ok(results: dict[int, tuple[Any, ...]]) -> dict[int, Any]:
     return {rank: outcome[1] for rank, outcome in results.items()}
 
 
+@pytest.mark.faults  # item 7 of the faults suite (nox -s faults)
 def test_pair_listens_only_on_host_without_secret(tmp_path: Path) -> None:
     port = free_port()
     (tmp_path / "stop").touch()  # a few round trips only
@@ -184,6 +185,7 @@ def test_pair_listens_only_on_host_without_secret(tmp_path: Path) -> None:
     assert (HOST, port) in results[0]["listening"]
 
 
+@pytest.mark.faults  # item 7 of the faults suite (nox -s faults)
 def test_rogue_cannot_join_stall_or_crash_a_gated_pair(tmp_path: Path) -> None:
     """With AFD_SECRET, a rogue knowing the port attacks during init and while the pair runs
     (junk, half-open connections, plain store clients claiming rank 0 and publishing a failure,
@@ -224,6 +226,7 @@ def test_rogue_cannot_join_stall_or_crash_a_gated_pair(tmp_path: Path) -> None:
     assert elapsed < 200
 
 
+@pytest.mark.faults  # item 7 of the faults suite (nox -s faults)
 def test_wrong_secret_joiner_gets_a_clear_error() -> None:
     port = free_port()
     results = _ok(
