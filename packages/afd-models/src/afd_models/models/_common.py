@@ -413,6 +413,21 @@ class AFDFFNCausalLM(nn.Module):
         )
 
 
+def no_routed_experts_eplb(num_experts: int) -> dict[str, Any]:
+    """The EPLB attributes of an Attention model that holds none of its ``num_experts`` routed
+    experts (what upstream's MoE-layer counting would set with no local experts), for adapters
+    whose Attention role does not run that counting (:meth:`AFDRoleModelMixin._afd_eplb_attributes`)."""
+    return {
+        "num_moe_layers": 0,
+        "num_expert_groups": 1,
+        "num_shared_experts": 0,
+        "num_logical_experts": num_experts,
+        "num_physical_experts": num_experts,
+        "num_routed_experts": num_experts,
+        "num_redundant_experts": 0,
+    }
+
+
 class AFDRoleModelMixin:
     """Shared top of every AFD ``*ForCausalLM`` adapter (put it first in the bases).
 

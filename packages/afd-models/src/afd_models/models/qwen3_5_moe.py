@@ -36,6 +36,7 @@ from afd_models.models._common import (
     FFNMoEBlock,
     RemoteMoEBlock,
     afd_config_of,
+    no_routed_experts_eplb,
 )
 from afd_models.models._construction import construction_override
 
@@ -155,16 +156,7 @@ class AFDQwen3_5MoeForCausalLM(AFDRoleModelMixin, upstream.Qwen3_5MoeForCausalLM
     @staticmethod
     def _afd_eplb_attributes(config: Any) -> dict[str, Any]:
         # What upstream's set_moe_parameters (not run here) would set, for no local experts.
-        n = config.num_experts
-        return {
-            "num_moe_layers": 0,
-            "num_expert_groups": 1,
-            "num_shared_experts": 0,
-            "num_logical_experts": n,
-            "num_physical_experts": n,
-            "num_routed_experts": n,
-            "num_redundant_experts": 0,
-        }
+        return no_routed_experts_eplb(config.num_experts)
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         afd = afd_config_of(vllm_config)
