@@ -74,6 +74,9 @@ class Member:
     pyproject: Path
     version: Version
     sibling_reqs: dict[str, tuple[Requirement, int]]  # dist -> (requirement, line in pyproject)
+    #: Every further requirement of a sibling (an extra's, e.g. ``afd-runtime[cpu]>=0.4,<0.5``):
+    #: (dist, requirement, line); only its version range is checked.
+    more_sibling_reqs: tuple[tuple[str, Requirement, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -123,16 +126,22 @@ def load_workspace(root: Path) -> tuple[dict[str, Member], dict[str, frozenset[s
         project = tomllib.loads(member.pyproject.read_text())["project"]
         lines = member.pyproject.read_text().splitlines()
         reqs: dict[str, tuple[Requirement, int]] = {}
+        more: list[tuple[str, Requirement, int]] = []
         raw = list(project.get("dependencies", []))
         for extra_reqs in project.get("optional-dependencies", {}).values():
             raw.extend(extra_reqs)
         for spec in raw:
             req = Requirement(spec)
             name = str(canonicalize_name(req.name))
-            if name in members and name != dist and name not in reqs:
+            if name in members and name != dist:
                 lineno = next((i + 1 for i, text in enumerate(lines) if f'"{spec}"' in text), 1)
-                reqs[name] = (req, lineno)
-        members[dist] = Member(**{**member.__dict__, "sibling_reqs": reqs})
+                if name in reqs:
+                    more.append((name, req, lineno))
+                else:
+                    reqs[name] = (req, lineno)
+        members[dist] = Member(
+            **{**member.__dict__, "sibling_reqs": reqs, "more_sibling_reqs": tuple(more)}
+        )
     return members, allowed
 
 
@@ -181,6 +190,21 @@ def iter_imports(path: Path, package_module: str) -> Iterator[ImportSite]:
     yield from visit(tree, True)
 
 
+def _range_violations(
+    member: Member, sib: str, req: Requirement, line: int, members: dict[str, Member]
+) -> list[Violation]:
+    """``sibling-range``: ``req`` (a requirement of ``member`` on ``sib``) has no version range,
+    or its range excludes ``sib``'s current version."""
+    version = members[sib].version
+    if not str(req.specifier):
+        msg = f"{member.dist} requires {sib} without a version range"
+    elif not req.specifier.contains(version, prereleases=True):
+        msg = f"{member.dist} requires '{req}', but the workspace has {sib} {version}"
+    else:
+        return []
+    return [Violation(member.pyproject, line, "sibling-range", msg)]
+
+
 def check(root: Path) -> list[Violation]:
     """Return every violation of the package map found under ``root``."""
     members, allowed = load_workspace(root)
@@ -200,25 +224,9 @@ def check(root: Path) -> list[Violation]:
                     rule = "edge-not-allowed"
                     msg = f"{dist} declares {sib}, an edge [tool.afd.allowed-deps] does not allow (allowed: {sorted(allowed[dist]) or 'none'})"
                 violations.append(Violation(member.pyproject, line, rule, msg))
-            version = members[sib].version
-            if not str(req.specifier):
-                violations.append(
-                    Violation(
-                        member.pyproject,
-                        line,
-                        "sibling-range",
-                        f"{dist} requires {sib} without a version range",
-                    )
-                )
-            elif not req.specifier.contains(version, prereleases=True):
-                violations.append(
-                    Violation(
-                        member.pyproject,
-                        line,
-                        "sibling-range",
-                        f"{dist} requires '{req}', but the workspace has {sib} {version}",
-                    )
-                )
+            violations.extend(_range_violations(member, sib, req, line, members))
+        for sib, req, line in member.more_sibling_reqs:
+            violations.extend(_range_violations(member, sib, req, line, members))
 
         src = member.root / "src" / member.module
         for path in sorted(src.rglob("*.py")):

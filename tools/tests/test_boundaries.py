@@ -213,6 +213,30 @@ def test_sibling_without_range_or_excluding_version(scratch: Path) -> None:
     ]
 
 
+def test_sibling_range_in_an_extra_is_checked_too(scratch: Path) -> None:
+    """A platform extra (``cpu = ["afd-runtime[cpu]>=..."]``) is a sibling requirement as well:
+    a range left behind by a version bump there breaks ``afd-models[cpu]`` installs."""
+    runtime = tomllib.loads((scratch / "packages/afd-runtime/pyproject.toml").read_text())
+    version = runtime["project"]["version"]
+    models = (scratch / "packages/afd-models/pyproject.toml").read_text()
+    declared = next(
+        spec
+        for spec in tomllib.loads(models)["project"]["optional-dependencies"]["cpu"]
+        if spec.startswith("afd-runtime[cpu]")
+    )
+    path = edit_pyproject(scratch, "afd-models", f'"{declared}"', '"afd-runtime[cpu]>=9.1,<9.2"')
+    line = (
+        path.read_text()
+        .splitlines()
+        .index('cpu = ["afd-runtime[cpu]>=9.1,<9.2", "afd-models[demo]"]')
+        + 1
+    )
+    assert report(scratch) == [
+        f"packages/afd-models/pyproject.toml:{line}: [sibling-range] afd-models requires "
+        f"'afd-runtime[cpu]<9.2,>=9.1', but the workspace has afd-runtime {version}",
+    ]
+
+
 def test_import_linter_catches_indirect_chain(scratch: Path) -> None:
     """afd_cam -> afd_core -> afd_weights: no direct edge is wrong in afd_cam, the chain is."""
     plant(scratch, "packages/afd-core/src/afd_core/planted.py", "import afd_weights\n")
