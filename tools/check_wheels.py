@@ -1,7 +1,8 @@
 """Run inside a fresh venv where the built afd wheels were installed (outside the workspace).
 
 Checks: every afd distribution is installed from its wheel (not editable); every module of every
-package imports (Ascend-only modules, which need vllm-ascend, are listed as skipped); every sibling in ``Requires-Dist`` carries a version range; the afd-models
+package imports (Ascend-only modules, which need vllm-ascend, and the Qwen3.5 adapter, whose vLLM
+model module needs torchvision, are listed as skipped); every sibling in ``Requires-Dist`` carries a version range; the afd-models
 ``vllm.general_plugins`` entry point resolves and is callable twice.
 """
 
@@ -18,6 +19,10 @@ from packaging.utils import canonicalize_name
 
 #: Packages only an Ascend host has (CANN, torch-npu, vllm-ascend from source).
 PLATFORM_ONLY = frozenset({"vllm_ascend", "torch_npu"})
+#: Modules that subclass a vLLM model whose module imports the vision stack (torchvision), which
+#: these CPU environments exclude (PyPI's torchvision breaks beside CPU torch). vLLM imports them
+#: only when that architecture is served (the plugin registers them by name).
+NEEDS_TORCHVISION = frozenset({"afd_models.models.qwen3_5_moe"})
 
 
 def main(wheels: list[str]) -> int:
@@ -46,8 +51,12 @@ def main(wheels: list[str]) -> int:
             try:
                 importlib.import_module(info.name)
             except ModuleNotFoundError as err:
+                missing = (err.name or "").split(".")[0]
+                if missing == "torchvision" and info.name in NEEDS_TORCHVISION:
+                    print(f"{info.name}: skipped, vLLM's model module needs torchvision")
+                    continue
                 # Ascend-only modules subclass vllm-ascend classes; no NPU stack installs here.
-                if (err.name or "").split(".")[0] not in PLATFORM_ONLY:
+                if missing not in PLATFORM_ONLY:
                     raise
                 print(f"{info.name}: skipped, needs {err.name} (Ascend platform only)")
                 continue
