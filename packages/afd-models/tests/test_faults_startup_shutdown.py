@@ -88,10 +88,24 @@ def cleanup() -> Iterator[list[VLLMServer]]:
 # ------------------------------------------------------------------------------------ helpers
 
 
+def _afd(server: VLLMServer) -> dict[str, Any]:
+    argv = list(server.config.argv)
+    afd: dict[str, Any] = json.loads(argv[argv.index("--additional-config") + 1])["afd"]
+    return afd
+
+
 def afd_port(server: VLLMServer) -> int:
     """The AFD ``port`` of a role server (from its ``--additional-config``)."""
-    argv = list(server.config.argv)
-    return int(json.loads(argv[argv.index("--additional-config") + 1])["afd"]["port"])
+    return int(_afd(server)["port"])
+
+
+def owned_ports(server: VLLMServer) -> tuple[int, ...]:
+    """The ports ``server`` listens on: its HTTP port and, for the Attention role (world rank 0
+    serves the rendezvous store), the AFD port. An FFN role only connects to the AFD port, which
+    stays open while its Attention role runs."""
+    if _afd(server)["role"] == "attention":
+        return (server.config.port, afd_port(server))
+    return (server.config.port,)
 
 
 def _session_shm(server: VLLMServer) -> set[str]:
@@ -120,7 +134,7 @@ class Snapshot:
     def __init__(self, server: VLLMServer) -> None:
         self.server = server
         self.shm = _session_shm(server)
-        self.ports = (server.config.port, afd_port(server))
+        self.ports = owned_ports(server)
 
 
 def assert_stopped_cleanly(
