@@ -71,6 +71,12 @@ class ReceiveHandoff(Generic[T]):
             raise AFDCamHandoffError(stage_idx, "receive has no pending dispatch")
         return receive()
 
+    def discard(self, stage_idx: int) -> bool:
+        """Forget ``stage_idx``'s pending receive without running it (its step failed before
+        the receive); True when one was pending."""
+        _check_stage(stage_idx)
+        return self._pending.pop(stage_idx, None) is not None
+
     def take_if_pending(self, stage_idx: int) -> T | None:
         """:meth:`take` when a receive is pending, else None (the first layer of a batch)."""
         return self.take(stage_idx) if stage_idx in self._pending else None

@@ -1,7 +1,7 @@
 """AFD config, connector contract and registry, topology, transfer/control metadata, forward-context access, DBO hook, startup coordination and the torch.distributed P2P connector.
 
 The names below are re-exported for convenience; each lives in one small module
-(``afd_core.config``, ``.topology``, ``.expert_map``, ``.metadata``, ``.connector``, ``.forward_context``,
+(``afd_core.config``, ``.topology``, ``.expert_map``, ``.metadata``, ``.connector``, ``.forward_context``, ``.overlap``,
 ``.startup``, ``.errors``, ``.p2p``). vLLM is never imported by this package.
 """
 
@@ -26,6 +26,7 @@ from afd_core.errors import (
     AFDError,
     AFDHandshakeError,
     AFDNotInitializedError,
+    AFDOverlapError,
     AFDPayloadError,
     AFDPeerError,
     AFDProtocolError,
@@ -48,6 +49,7 @@ from afd_core.metadata import (
     AFDPayloadSpec,
     AFDTransferMetadata,
 )
+from afd_core.overlap import plan_stages, run_overlapped
 from afd_core.startup import StartupCoordinator, cancel_startup
 from afd_core.topology import AFDTopology
 
@@ -91,6 +93,8 @@ __all__ = [
     "get_afd_forward_metadata",
     "get_connector_class",
     "parse_afd_config",
+    "plan_stages",
     "register_connector",
+    "run_overlapped",
     "set_afd_forward_metadata",
 ]

@@ -38,6 +38,7 @@ __all__ = [
     "EXPERT_QUANT_SCHEMES",
     "FFN_COMPUTE_KINDS",
     "LOCAL_FIELDS",
+    "MAX_STAGES",
     "AFDConfig",
     "AFDConfigError",
     "AFDRole",
@@ -61,6 +62,7 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "num_ffn_ranks",
     "ffn_rank",
     "compute_gate_on_attention",
+    "num_stages",
     "timeout_s",
     "startup_timeout_s",
     "ffn_compute",
@@ -110,6 +112,9 @@ CONNECTOR_NAME_ALIASES: Mapping[str, str] = MappingProxyType(
 _TRUE_STRINGS = frozenset({"true", "1", "yes", "on"})
 _FALSE_STRINGS = frozenset({"false", "0", "no", "off"})
 _MAX_RANKS = 65536
+
+MAX_STAGES = 2
+"""Largest ``num_stages``: the Attention role overlaps at most two micro-batches per step."""
 
 
 class AFDRole(enum.StrEnum):
@@ -214,6 +219,7 @@ class AFDConfig:
     num_ffn_ranks: int = 1
     ffn_rank: int = 0
     compute_gate_on_attention: bool = False
+    num_stages: int = 1
     timeout_s: float = 120.0
     startup_timeout_s: float = 300.0
     ffn_compute: str = "native"
@@ -264,6 +270,9 @@ class AFDConfig:
                 "expert ranges; the Attention role routes each token to the ranks of its top-k "
                 "experts, so the gate must run there)",
             )
+        # Two-stage overlap (DBO): the Attention role splits a step into two micro-batches and
+        # hides one's FFN round trip behind the other's attention. Both roles must agree.
+        self._check_int("num_stages", self.num_stages, 1, MAX_STAGES)
         if self.role is AFDRole.FFN:
             self._check_int("ffn_rank", self.ffn_rank, 0, self.num_ffn_ranks - 1)
         elif self.ffn_rank != 0 or isinstance(self.ffn_rank, bool):
@@ -407,6 +416,7 @@ class AFDConfig:
             "num_attention_ranks",
             "num_ffn_ranks",
             "ffn_rank",
+            "num_stages",
             "expert_quant_group_size",
         ):
             if name in canonical:
@@ -438,6 +448,7 @@ class AFDConfig:
             "num_ffn_ranks": self.num_ffn_ranks,
             "ffn_rank": self.ffn_rank,
             "compute_gate_on_attention": self.compute_gate_on_attention,
+            "num_stages": self.num_stages,
             "timeout_s": self.timeout_s,
             "startup_timeout_s": self.startup_timeout_s,
             "ffn_compute": self.ffn_compute,

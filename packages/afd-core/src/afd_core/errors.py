@@ -22,6 +22,7 @@ __all__ = [
     "AFDError",
     "AFDHandshakeError",
     "AFDNotInitializedError",
+    "AFDOverlapError",
     "AFDPayloadError",
     "AFDPeerError",
     "AFDProtocolError",
@@ -75,6 +76,11 @@ class AFDPayloadError(AFDError, ValueError):
 
 class AFDContextError(AFDError, RuntimeError):
     """AFD forward metadata was requested but none is installed for the current forward."""
+
+
+class AFDOverlapError(AFDError, RuntimeError):
+    """A stage of a two-stage overlap (:func:`afd_core.overlap.run_overlapped`) was stopped
+    because another stage of the same step failed; the run raises that stage's error."""
 
 
 class AFDRegistryError(AFDError, ValueError):

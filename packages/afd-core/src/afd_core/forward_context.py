@@ -9,7 +9,10 @@ Invariants:
 * :func:`get_afd_forward_metadata` prefers the active vLLM forward context's entry, then the
   context variable, and raises :class:`AFDContextError` when neither holds metadata.
 * vLLM is never imported here: its modules are only consulted if already loaded in the process.
-* :func:`dbo_yield` is a no-op unless vLLM's dual-batch overlap is running in this process.
+* :func:`dbo_yield` hands the turn to the other stage when the caller runs inside afd-core's
+  two-stage overlap (:func:`afd_core.overlap.run_overlapped`), else yields to vLLM's dual-batch
+  overlap when that runs in this process, else does nothing. :func:`current_stage_idx` follows
+  the same order.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from afd_core.errors import AFDContextError
+from afd_core.overlap import current_overlap_stage, overlap_yield
 
 if TYPE_CHECKING:
     from afd_core.connector import AFDConnectorBase
@@ -179,7 +183,11 @@ def _vllm_ubatching() -> Any | None:
 
 
 def current_stage_idx() -> int:
-    """The current stage: vLLM's DBO micro-batch id when DBO runs, else the metadata's stage."""
+    """The current stage: afd-core's overlap stage, else vLLM's DBO micro-batch id when DBO
+    runs, else the metadata's stage."""
+    stage = current_overlap_stage()
+    if stage is not None:
+        return stage
     ubatching = _vllm_ubatching()
     if ubatching is not None:
         try:
@@ -191,7 +199,10 @@ def current_stage_idx() -> int:
 
 
 def dbo_yield() -> None:
-    """Yield to the other DBO micro-batch (vLLM's ``dbo_yield``); a no-op without DBO."""
+    """Yield to the other stage (afd-core's overlap, else vLLM's ``dbo_yield``); a no-op
+    without either."""
+    if overlap_yield():
+        return
     ubatching = _vllm_ubatching()
     if ubatching is None:
         return

@@ -97,6 +97,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="ffn",
         help="where the MoE router gate runs (attention is required by --ffn-ranks > 1)",
     )
+    demo.add_argument(
+        "--stages",
+        type=int,
+        choices=(1, 2),
+        default=1,
+        help="AFD num_stages: 2 splits each step into two micro-batches and overlaps one's FFN "
+        "round trip with the other's attention",
+    )
     demo.add_argument("--max-tokens", type=int, default=16, help="tokens per prompt")
     demo.add_argument("--concurrency", type=int, default=3, help="requests in flight")
     demo.add_argument(
@@ -247,6 +255,7 @@ def demo_config_from_namespace(
         num_attention_ranks=ns.attention_ranks,
         num_ffn_ranks=ns.ffn_ranks,
         gate_on_attention=ns.gate == "attention",
+        num_stages=ns.stages,
         prompts=tuple(ns.prompt) if ns.prompt else DEMO_PROMPTS,
         max_tokens=ns.max_tokens,
         concurrency=ns.concurrency,

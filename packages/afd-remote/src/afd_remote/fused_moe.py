@@ -199,12 +199,20 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
             layer_idx=self.layer_idx, stage_idx=stage_idx, num_tokens=plan.counts
         )
         handle = connector.send_dispatch(payloads, metadata)
+        companions = []
+        for stage in self._empty_stages(stage_idx):
+            empty = AFDPayload(hidden_states=hidden_states[:0], topk_ids=ids[:0], topk_weights=weights[:0])
+            zero = AFDTransferMetadata(
+                layer_idx=self.layer_idx, stage_idx=stage, num_tokens=(0,) * plan.num_ffn_ranks
+            )
+            companions.append(connector.send_dispatch([empty] * plan.num_ffn_ranks, zero))
         return RemoteFFNTransfer(
             connector=connector,
             handle=handle,
             metadata=metadata,
             parent_tokens=int(hidden_states.shape[0]),
             plan=plan,
+            companions=tuple(companions),
         )
 
     # -- internals -------------------------------------------------------------------------

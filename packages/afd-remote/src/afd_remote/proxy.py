@@ -17,7 +17,12 @@ Invariants:
 * every row-aligned payload tensor has as many rows as ``hidden_states`` and every payload field
   is one the connector carries, checked before anything is sent;
 * with routed TP padding, each rank sends only its slice and :meth:`receive` returns the full
-  parent batch (all-gathered and trimmed), so the result always has ``hidden_states``' rows.
+  parent batch (all-gathered and trimmed), so the result always has ``hidden_states``' rows;
+* every announced stage appears on the wire at every layer: when a step of a multi-stage
+  forward runs as one stage (the metadata's ``num_tokens`` is zero for the other stages), the
+  dispatch of that stage also sends a zero-token transfer for each empty stage, right after its
+  own, and :meth:`receive` completes them after its own (peers served together with a split
+  step expect every (layer, stage)).
 """
 
 from __future__ import annotations
@@ -28,7 +33,12 @@ from dataclasses import dataclass
 import torch
 from afd_core.connector import AFDConnectorBase, AFDTransferHandle
 from afd_core.errors import AFDContextError, AFDPayloadError
-from afd_core.forward_context import current_stage_idx, dbo_yield, get_afd_forward_metadata
+from afd_core.forward_context import (
+    AFDForwardMetadata,
+    current_stage_idx,
+    dbo_yield,
+    get_afd_forward_metadata,
+)
 from afd_core.metadata import AFDPayload, AFDTransferMetadata
 
 from afd_remote.errors import AFDRemoteError
@@ -53,6 +63,8 @@ class RemoteFFNTransfer:
     layout: RoutedDispatchLayout | None = None
     tp_padding: RoutedTPPadding | None = None
     plan: ExpertDispatchPlan | None = None
+    #: Zero-token transfers of the step's empty stages, completed after this one.
+    companions: tuple[AFDTransferHandle, ...] = ()
 
     @property
     def layer_idx(self) -> int:
@@ -142,8 +154,12 @@ class RemoteFFNProxy(torch.nn.Module):
             raise AFDRemoteError("transfer", type(transfer).__name__, "a RemoteFFNTransfer")
         if transfer.plan is not None:
             partials = transfer.connector.recv_combine(transfer.handle)
+            for handle in transfer.companions:
+                transfer.connector.recv_combine(handle)
             return combine_expert_outputs(partials, transfer.plan)
         output = transfer.connector.recv_ffn_output(transfer.handle)
+        for handle in transfer.companions:
+            transfer.connector.recv_ffn_output(handle)
         expected = transfer.metadata.num_tokens[0]
         if output.dim() == 0 or output.shape[0] != expected:
             raise AFDPayloadError(
@@ -160,6 +176,10 @@ class RemoteFFNProxy(torch.nn.Module):
 
     def _context(self) -> tuple[AFDConnectorBase, int]:
         """The connector and current stage from the AFD forward metadata."""
+        meta, stage_idx = self._metadata()
+        return meta.connector, stage_idx
+
+    def _metadata(self) -> tuple[AFDForwardMetadata, int]:
         try:
             meta = get_afd_forward_metadata()
             stage_idx = current_stage_idx()
@@ -168,7 +188,34 @@ class RemoteFFNProxy(torch.nn.Module):
                 f"{type(self).__name__}(layer_idx={self.layer_idx}) requires AFD forward "
                 f"metadata: {err}"
             ) from err
-        return meta.connector, stage_idx
+        return meta, stage_idx
+
+    def _empty_stages(self, stage_idx: int) -> tuple[int, ...]:
+        """The stages this dispatch also carries as zero-token transfers (see the module
+        invariants): none unless the forward announced several stages, this one with tokens and
+        the others without."""
+        meta = get_afd_forward_metadata()
+        counts = meta.num_tokens
+        if meta.num_stages == 1 or counts is None or not counts[stage_idx]:
+            return ()
+        return tuple(s for s in range(meta.num_stages) if s != stage_idx and not counts[s])
+
+    def _send_empty(
+        self, connector: AFDConnectorBase, stage_idx: int, local: Mapping[str, torch.Tensor]
+    ) -> tuple[AFDTransferHandle, ...]:
+        handles = []
+        for stage in self._empty_stages(stage_idx):
+            empty = {k: v[:0] for k, v in local.items()}
+            metadata = AFDTransferMetadata(layer_idx=self.layer_idx, stage_idx=stage, num_tokens=(0,))
+            payload = AFDPayload(
+                hidden_states=empty["hidden_states"],
+                router_logits=empty.get("router_logits"),
+                topk_ids=empty.get("topk_ids"),
+                topk_weights=empty.get("topk_weights"),
+                input_ids=empty.get("input_ids"),
+            )
+            handles.append(connector.send_attn_output(payload, metadata))
+        return tuple(handles)
 
     def _plan(self, hidden_states: torch.Tensor) -> RoutedDispatchLayout | None:
         if self.tp_padding is None:
@@ -205,4 +252,5 @@ class RemoteFFNProxy(torch.nn.Module):
             parent_tokens=parent_tokens,
             layout=layout,
             tp_padding=self.tp_padding if layout is not None else None,
+            companions=self._send_empty(connector, stage_idx, local),
         )

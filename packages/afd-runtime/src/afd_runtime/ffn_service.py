@@ -289,6 +289,15 @@ class FFNService:
             if msg.shutdown:
                 logger.info("AFD FFN rank %d: the Attention deployment said goodbye", self.ffn_rank)
                 return
+            if msg.num_stages != self.config.num_stages:
+                # The handshake compared num_stages, so only a peer breaking the protocol gets
+                # here; its waits fail at once with this text instead of timing out.
+                reason = (
+                    f"num_stages: the Attention ranks announced {msg.num_stages} stage(s) for a "
+                    f"step; this FFN rank serves num_stages={self.config.num_stages}"
+                )
+                connector.abort("recv_control", reason)
+                raise AFDProtocolError(reason)
             try:
                 self._serve_step(connector, msg)
             except AFDProtocolError:

@@ -67,6 +67,7 @@ class DemoConfig:
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
     gate_on_attention: bool = False
+    num_stages: int = 1
     prompts: tuple[str, ...] = DEMO_PROMPTS
     max_tokens: int = 16
     concurrency: int = 3
@@ -103,6 +104,8 @@ class DemoConfig:
                 f"DemoConfig.num_ffn_ranks={self.num_ffn_ranks!r} > 1 needs "
                 "gate_on_attention=True (expert parallelism runs the router gate on Attention)"
             )
+        if self.num_stages not in (1, 2):
+            raise ValueError(f"DemoConfig.num_stages={self.num_stages!r}; allowed: 1 or 2")
         if self.model is None and self.family == "deepseek_v3":
             # The adapter refuses these at model construction, in the engines; refuse them here
             # first so the demo starts nothing (noaux_tc's correction bias loads with the FFN's
@@ -481,6 +484,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         num_attention_ranks=cfg.num_attention_ranks,
         num_ffn_ranks=cfg.num_ffn_ranks,
         gate_on_attention=cfg.gate_on_attention,
+        afd_extra={"num_stages": cfg.num_stages} if cfg.num_stages > 1 else None,
         ffn_extra=ffn_extra,
         ffn_env=ffn_env,
         progress=progress,
@@ -513,6 +517,8 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
     )
     gate = "attention" if cfg.gate_on_attention else "ffn"
     topology = f"{cfg.num_attention_ranks} attention : {cfg.num_ffn_ranks} ffn, gate on {gate}"
+    if cfg.num_stages > 1:
+        topology += f", {cfg.num_stages} stages"
     parity = compare_parity(base.completions, afd.completions)
     quant = quant_summary(cfg, ffns, parity) if cfg.quantized else None
     return DemoReport(str(model), topology, parity, servers, ffn_ranks, quant)

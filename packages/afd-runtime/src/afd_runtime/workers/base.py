@@ -50,6 +50,12 @@ from afd_runtime.identity import model_identity
 from afd_runtime.quantized import QuantizedFFNCompute
 from afd_runtime.roles import report_param_bytes, require_afd_config, role_rank
 from afd_runtime.signals import cancel_startup_on_signals
+from afd_runtime.stages import (
+    install_stage_split,
+    run_stages,
+    stage_token_counts,
+    staged_forward_context,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -123,27 +129,53 @@ def _worker_device(worker: Any) -> torch.device | str:
     return device if isinstance(device, torch.device | str) else "cpu"
 
 
-def install_step_hook(model: torch.nn.Module, link: AttentionLink) -> None:
+_FORWARD_ARGS = ("input_ids", "positions", "intermediate_tensors", "inputs_embeds")
+
+
+def install_step_hook(
+    model: torch.nn.Module,
+    link: AttentionLink,
+    num_stages: int = 1,
+    timeout_s: float = 120.0,
+    vllm_config: Any = None,
+) -> None:
     """Wrap ``model.forward``: announce the step, install the AFD forward metadata, run.
 
     Every call runs inside ``link.step()`` (it fails at once with
     :class:`~afd_runtime.attention_link.AFDFFNUnavailableError` while the FFN role is
-    unavailable), sends ``AFDControlMessage(((n,),))`` (when the connector has a control plane)
-    and runs inside ``set_afd_forward_metadata(AFDForwardMetadata(connector, num_tokens=(n,)))``.
-    Idempotent: a model wrapped once is not wrapped again.
+    unavailable), announces every stage's token count with ``send_control`` (when the connector
+    has a control plane) and runs with the AFD forward metadata installed (afd-core).
+
+    With ``num_stages == 2`` (``vllm_config`` required): a step the runner split (see :mod:`afd_runtime.stages`) announces
+    both stages' counts and runs them overlapped (:func:`afd_runtime.stages.run_stages`; a stage
+    blocked past ``timeout_s`` fails the step); any other step runs as stage 0 and announces
+    zero tokens for stage 1 (the proxy then sends stage 1's empty transfers). Idempotent: a model
+    wrapped once is not wrapped again.
     """
     if getattr(model, "_afd_step_hook", False):
         return
     inner: Callable[..., Any] = model.forward
     announce = link.connector.has_control_plane
+    empty_tail = (0,) * (num_stages - 1)
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
         n = _num_tokens(args, kwargs)
+        parent = staged_forward_context() if num_stages > 1 else None
         with link.step() as connector:
+            if parent is not None:
+                counts = stage_token_counts(parent)
+                if announce:
+                    connector.send_control(AFDControlMessage(tuple((c,) for c in counts)))
+                call = dict(zip(_FORWARD_ARGS, args, strict=False)) | kwargs
+                return run_stages(inner, parent, connector, call, timeout_s, vllm_config)
+            counts = (n, *empty_tail)
             if announce:
-                connector.send_control(AFDControlMessage(((n,),)))
-            with set_afd_forward_metadata(AFDForwardMetadata(connector=connector, num_tokens=(n,))):
+                connector.send_control(AFDControlMessage(tuple((c,) for c in counts)))
+            meta = AFDForwardMetadata(
+                connector=connector, num_stages=num_stages, num_tokens=counts
+            )
+            with set_afd_forward_metadata(meta):
                 return inner(*args, **kwargs)
 
     model.forward = forward
@@ -213,7 +245,8 @@ class AFDAttentionWorkerMixin:
         link = AttentionLink(connector, name=f"rank {rank}")
         link.connect(init=lambda: init_or_exit_on_signal(connector, f"AFD Attention rank {rank}"))
         self._afd_link = link
-        install_step_hook(model, link)
+        install_stage_split(self.model_runner, cfg.num_stages)
+        install_step_hook(model, link, cfg.num_stages, cfg.timeout_s, self.vllm_config)
         logger.info("AFD Attention rank %d connected through connector %r", rank, connector.name)
 
     def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:

@@ -1,0 +1,234 @@
+"""Two-stage overlap (DBO) of one forward: the stage plan and the ping-pong that runs it.
+
+A step whose batch holds several requests is split at request boundaries into stages
+(:func:`plan_stages`, balanced by tokens). :func:`run_overlapped` runs one callable per stage, each
+on its own thread, **exactly one running at a time**: a stage runs until it calls
+:func:`afd_core.forward_context.dbo_yield` (the remote FFN proxy does, between sending a layer's
+payload and receiving its output) and the next stage still running takes the turn. So while stage
+0's FFN round trip is in flight, stage 1 computes its attention for the same layer, and so on::
+
+    stage 0: attn L0 | send L0 ~yield~                 | recv L0, attn L1 | send L1 ~yield~ ...
+    stage 1:                  | attn L0 | send L0 ~yield~                  | recv L0, attn L1 ...
+
+Invariants:
+
+* at most one stage runs at any moment; turns pass in stage order (0, 1, 0, 1, ...), skipping
+  stages that have ended, so each layer's transfers leave in stage order on every step;
+* a stage that raises ends the run: every other stage's next yield raises
+  :class:`AFDOverlapError`, and :func:`run_overlapped` re-raises the first error (the original
+  exception object) after every thread has ended; nothing is left running;
+* every wait is bounded by ``timeout_s`` (a stage that keeps the turn longer fails the run with
+  :class:`AFDTimeoutError` naming the stage that held it);
+* each stage runs in a copy of the caller's :mod:`contextvars` context; ``on_resume(stage)`` is
+  called on the stage's thread each time it takes the turn (the runtime restores the stage's vLLM
+  forward context there).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, TypeVar
+
+from afd_core.errors import AFDOverlapError, AFDTimeoutError
+
+__all__ = [
+    "current_overlap_stage",
+    "overlap_yield",
+    "plan_stages",
+    "run_overlapped",
+]
+
+T = TypeVar("T")
+
+_local = threading.local()
+
+
+def plan_stages(query_lens: Sequence[int], num_stages: int) -> tuple[int, ...] | None:
+    """Requests per stage for a step whose requests have ``query_lens`` tokens, in batch order.
+
+    Cuts at request boundaries only (a request never spans two stages), choosing the cut that
+    best balances the stages' token counts (ties: the earlier cut). Returns ``None`` when the step
+    runs as one stage: ``num_stages == 1`` or fewer requests than stages.
+
+    Raises:
+        ValueError: ``num_stages`` is not 1 or 2, or a query length is not a positive int.
+    """
+    if isinstance(num_stages, bool) or num_stages not in (1, 2):
+        raise ValueError(f"num_stages={num_stages!r}; allowed: 1 or 2")
+    lens = [int(n) for n in query_lens]
+    if any(n <= 0 for n in lens):
+        raise ValueError(f"query_lens={lens!r}; allowed: positive token counts")
+    if num_stages == 1 or len(lens) < num_stages:
+        return None
+    total = sum(lens)
+    best_cut, best_gap, prefix = 1, total, 0
+    for cut in range(1, len(lens)):
+        prefix += lens[cut - 1]
+        gap = abs(total - 2 * prefix)
+        if gap < best_gap:
+            best_cut, best_gap = cut, gap
+    return (best_cut, len(lens) - best_cut)
+
+
+def current_overlap_stage() -> int | None:
+    """The stage the calling thread runs inside :func:`run_overlapped`, else ``None``."""
+    run = getattr(_local, "run", None)
+    return None if run is None else int(_local.stage)
+
+
+def overlap_yield() -> bool:
+    """Hand the turn to the next running stage and wait for it to come back.
+
+    Returns False (and does nothing) outside :func:`run_overlapped` or when every other stage has
+    ended; True after a round trip of the turn.
+
+    Raises:
+        AFDOverlapError: another stage failed while this one waited.
+        AFDTimeoutError: the turn did not come back within the run's ``timeout_s``.
+    """
+    run: _Run[Any] | None = getattr(_local, "run", None)
+    if run is None:
+        return False
+    return run.yield_turn(int(_local.stage))
+
+
+class _Run(Generic[T]):
+    """The shared state of one :func:`run_overlapped` call."""
+
+    def __init__(self, num_stages: int, timeout_s: float, on_resume: Callable[[int], None] | None):
+        self.n = num_stages
+        self.timeout_s = timeout_s
+        self.on_resume = on_resume
+        self.cond = threading.Condition()
+        self.turn = -1  # nobody runs until the caller starts stage 0
+        self.ended = [False] * num_stages
+        self.results: list[Any] = [None] * num_stages
+        self.error: BaseException | None = None
+        self.failed_stage: int | None = None
+
+    # -- called with self.cond held ----------------------------------------------------------
+
+    def _next_live(self, stage: int) -> int | None:
+        for step in range(1, self.n + 1):
+            other = (stage + step) % self.n
+            if not self.ended[other]:
+                return other
+        return None
+
+    def _wait_turn(self, stage: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while self.turn != stage:
+            if self.error is not None:
+                raise AFDOverlapError(
+                    f"stage {stage} stopped: stage {self.failed_stage} failed with "
+                    f"{type(self.error).__name__}: {self.error}"
+                )
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AFDTimeoutError(
+                    f"stage {stage} waited {self.timeout_s:g}s for its turn; stage {self.turn} "
+                    "kept it (a stage must yield or end within timeout_s)"
+                )
+            self.cond.wait(left)
+        if self.error is not None:
+            raise AFDOverlapError(
+                f"stage {stage} stopped: stage {self.failed_stage} failed with "
+                f"{type(self.error).__name__}: {self.error}"
+            )
+
+    # -- stage-thread operations -------------------------------------------------------------
+
+    def yield_turn(self, stage: int) -> bool:
+        with self.cond:
+            if self.error is not None:
+                raise AFDOverlapError(
+                    f"stage {stage} stopped: stage {self.failed_stage} failed with "
+                    f"{type(self.error).__name__}: {self.error}"
+                )
+            nxt = self._next_live(stage)
+            if nxt is None or nxt == stage:
+                return False
+            self.turn = nxt
+            self.cond.notify_all()
+            self._wait_turn(stage)
+        if self.on_resume is not None:
+            self.on_resume(stage)
+        return True
+
+    def body(self, stage: int, fn: Callable[[], T]) -> None:
+        _local.run, _local.stage = self, stage
+        try:
+            with self.cond:
+                self._wait_turn(stage)
+            if self.on_resume is not None:
+                self.on_resume(stage)
+            self.results[stage] = fn()
+        except BaseException as exc:  # recorded; re-raised by run_overlapped
+            with self.cond:
+                if self.error is None:
+                    self.error, self.failed_stage = exc, stage
+        finally:
+            _local.run = None
+            with self.cond:
+                self.ended[stage] = True
+                nxt = self._next_live(stage)
+                if self.turn == stage or self.error is not None:
+                    self.turn = -1 if nxt is None else nxt
+                self.cond.notify_all()
+
+
+def run_overlapped(
+    stages: Sequence[Callable[[], T]],
+    *,
+    timeout_s: float,
+    on_resume: Callable[[int], None] | None = None,
+    name: str = "afd-stage",
+) -> list[T]:
+    """Run each callable of ``stages`` on its own thread, one at a time, switching at yields.
+
+    Returns the stages' results in stage order. One stage runs inline semantics-wise (no thread
+    switch happens; it still runs on a thread so ``on_resume`` and the context copy apply).
+
+    Raises:
+        ValueError: no stage, or ``timeout_s`` is not a positive number.
+        BaseException: the first error a stage raised (see the module invariants).
+        AFDTimeoutError: a stage thread did not end within ``timeout_s`` after the run's last
+            turn change (it is left as a daemon thread).
+    """
+    if not stages:
+        raise ValueError("stages is empty; allowed: one callable per stage")
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s!r}; allowed: seconds > 0")
+    run: _Run[T] = _Run(len(stages), float(timeout_s), on_resume)
+    threads = []
+    for idx, fn in enumerate(stages):
+        ctx = contextvars.copy_context()
+        thread = threading.Thread(
+            target=ctx.run, args=(run.body, idx, fn), name=f"{name}-{idx}", daemon=True
+        )
+        threads.append(thread)
+        thread.start()
+    with run.cond:
+        run.turn = 0
+        run.cond.notify_all()
+    for thread in threads:
+        # Each stage's waits are bounded by timeout_s, so a thread ends unless a stage body
+        # blocks outside them; the caller's wait is bounded the same way per thread.
+        while thread.is_alive():
+            with run.cond:
+                before = run.turn
+            thread.join(run.timeout_s)
+            if thread.is_alive():
+                with run.cond:
+                    stuck = run.turn == before
+                if stuck:
+                    raise AFDTimeoutError(
+                        f"{thread.name} did not end within {run.timeout_s:g}s "
+                        f"(turn held by stage {before})"
+                    )
+    if run.error is not None:
+        raise run.error
+    return list(run.results)
