@@ -160,3 +160,42 @@ def test_hand_off_yields_to_dbo_after_recording(monkeypatch: pytest.MonkeyPatch)
     handoff.hand_off(1, lambda: "r1")
     assert events == ["yield"]  # no yield unless asked
     assert handoff.take(0) == "r0"
+
+
+def test_discard_drops_a_pending_receive_without_running_it() -> None:
+    handoff: ReceiveHandoff[int] = ReceiveHandoff()
+    ran: list[int] = []
+    handoff.hand_off(0, lambda: ran.append(0) or 0)
+    assert handoff.discard(0) is True
+    assert handoff.discard(0) is False
+    assert ran == [] and handoff.pending_stages == ()
+    handoff.hand_off(0, lambda: 5)  # the stage can hand off again
+    assert handoff.take(0) == 5
+    with pytest.raises(AFDCamError) as err:
+        handoff.discard(-2)
+    assert err.value.field == "stage_idx"
+
+
+def test_hand_offs_of_two_overlapped_stages_interleave(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under afd-core's two-stage overlap each stage hands its receive off, yields (the other
+    stage runs) and takes it back: one handoff serves both stages, none is lost."""
+    from afd_core.overlap import run_overlapped
+
+    handoff: ReceiveHandoff[str] = ReceiveHandoff()
+    order: list[str] = []
+
+    def stage(idx: int) -> object:
+        def run() -> list[str]:
+            got = []
+            for layer in range(2):
+                order.append(f"send{layer}.{idx}")
+                handoff.hand_off(idx, lambda layer=layer: f"out{layer}.{idx}", yield_to_dbo=True)
+                got.append(handoff.take(idx))
+            return got
+
+        return run
+
+    results = run_overlapped([stage(0), stage(1)], timeout_s=10)  # type: ignore[list-item]
+    assert results == [["out0.0", "out1.0"], ["out0.1", "out1.1"]]
+    assert order == ["send0.0", "send0.1", "send1.0", "send1.1"]
+    assert handoff.pending_stages == ()

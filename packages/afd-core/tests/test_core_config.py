@@ -32,6 +32,7 @@ def test_defaults_and_types() -> None:
     assert c.timeout_s == 120.0 and isinstance(c.timeout_s, float)
     assert c.startup_timeout_s == 300.0 and isinstance(c.startup_timeout_s, float)
     assert c.ffn_compute == "native"
+    assert c.num_stages == 1
     assert dict(c.connector_extra_config) == {}
     assert c.is_attention and not c.is_ffn
 
@@ -46,6 +47,7 @@ def test_full_mapping_and_roundtrip() -> None:
         "num_ffn_ranks": 3,
         "ffn_rank": 2,
         "compute_gate_on_attention": True,
+        "num_stages": "2",
         "timeout_s": 7,
         "startup_timeout_s": "30",
         "ffn_compute": "Mega",
@@ -57,6 +59,7 @@ def test_full_mapping_and_roundtrip() -> None:
     assert c.role is AFDRole.FFN and c.is_ffn
     assert c.to_mapping() == {
         **raw,
+        "num_stages": 2,
         "timeout_s": 7.0,
         "startup_timeout_s": 30.0,
         "ffn_compute": "mega",
@@ -130,6 +133,10 @@ INVALID: list[tuple[str, Any]] = [
     ("compute_gate_on_attention", 0),
     ("compute_gate_on_attention", "maybe"),
     ("compute_gate_on_attention", None),
+    ("num_stages", 0),
+    ("num_stages", 3),
+    ("num_stages", True),
+    ("num_stages", 2.0),
     ("timeout_s", 0),
     ("timeout_s", -1.0),
     ("timeout_s", float("inf")),
@@ -431,3 +438,12 @@ def test_config_hashable_and_equal() -> None:
     assert cfg() == cfg()
     assert hash(cfg()) == hash(cfg())
     assert cfg() != cfg(port=2)
+
+
+def test_num_stages_is_agreed_by_both_roles() -> None:
+    """Both roles must run the same number of stages: it is in the handshake's agreement."""
+    one, two = cfg(), cfg(num_stages=2)
+    assert one.agreement_fields()["num_stages"] == 1
+    assert two.agreement_fields()["num_stages"] == 2
+    assert one.agreement_hash() != two.agreement_hash()
+    assert cfg(role=AFDRole.FFN, num_stages=2).agreement_hash() == two.agreement_hash()

@@ -4,16 +4,26 @@ World: ``A`` Attention ranks then ``F`` FFN ranks. Attention ranks drive the afd
 (the full forward and the two-stage dispatch/receive split; token ids with the rows); FFN ranks
 run the service loop by hand: receive control, then per layer and stage receive every served
 payload, check it, reply ``hidden * 2 + layer``. Each rank returns a report of plain Python values.
+
+The ``overlapped`` variant runs the stages as serving does with ``num_stages=2``: afd-core's
+ping-pong (:func:`afd_core.overlap.run_overlapped`), each stage a full forward over the layers
+through the proxy's send -> yield -> receive, with random delays before every layer's attention
+and before every FFN reply. Attention rank 1's second stage is empty, so it runs stage 0 alone and
+its proxy carries stage 1 as zero-token transfers (with ``check_sequence``, so their headers are
+on the wire).
 """
 
 from __future__ import annotations
 
+import random
+import time
 from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
+from afd_core.overlap import run_overlapped
 from afd_core.p2p import P2PConnector
 from afd_core.topology import AFDTopology
 from afd_remote import AFDAttentionFusedMoE, RemoteFFNTransfer, softmax_topk
@@ -31,7 +41,10 @@ VARIANTS: dict[str, tuple[bool, dict[str, Any], bool]] = {
     "topk_split": (True, {"top_k": TOP_K}, True),
     # token-id routing (DeepSeek-V4 hash layers): the ids travel with the rows, gate on FFN
     "input_ids_forward": (False, {"input_ids": True}, False),
+    "overlapped": (True, {"router_logits_width": EXPERTS}, False),
 }
+#: Upper bound of every injected delay (seconds) in the ``overlapped`` variant.
+MAX_DELAY_S = 0.02
 
 
 def counts(arank: int) -> tuple[int, int]:
@@ -99,8 +112,48 @@ def _attention(
     return problems
 
 
+def _overlapped(conn: P2PConnector, arank: int) -> list[str]:
+    layers = [AFDAttentionFusedMoE(layer, gate_on_attention=True) for layer in range(LAYERS)]
+    stage_counts = counts(arank)
+    conn.send_control(AFDControlMessage(tuple((c,) for c in stage_counts)))
+    order: list[tuple[int, int]] = []
+
+    def stage(s: int) -> Any:
+        rng = random.Random(arank * 10 + s)
+
+        def run() -> torch.Tensor:
+            meta = AFDForwardMetadata(
+                connector=conn, stage_idx=s, num_stages=STAGES, num_tokens=stage_counts
+            )
+            x = hidden_input(arank, s)
+            with set_afd_forward_metadata(meta):
+                for layer, moe in enumerate(layers):
+                    time.sleep(rng.uniform(0, MAX_DELAY_S))  # this stage's "attention"
+                    order.append((layer, s))
+                    x = moe(x, router_logits=logits_for(arank, layer, s))
+            return x
+
+        return run
+
+    active = [s for s in range(STAGES) if stage_counts[s]]
+    outputs = run_overlapped([stage(s) for s in active], timeout_s=60)
+    problems = []
+    for s, out in zip(active, outputs, strict=True):
+        expected = hidden_input(arank, s)
+        for layer in range(LAYERS):
+            expected = expected * 2 + layer
+        if not torch.equal(out, expected):
+            problems.append(f"attention {arank} stage {s}: output differs")
+    want = [(layer, s) for layer in range(LAYERS) for s in active]
+    if order != want:
+        problems.append(f"attention {arank}: stage order {order}, expected {want}")
+    conn.send_control(AFDControlMessage.shutdown_message())
+    return problems
+
+
 def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int, variant: str) -> list[str]:
     problems: list[str] = []
+    rng = random.Random(ffn_rank)
     served = topo.attention_ranks_for(ffn_rank)
     ctl = conn.recv_control()
     if ctl.stage_token_counts != tuple(tuple(counts(a)[s] for a in served) for s in range(STAGES)):
@@ -111,7 +164,7 @@ def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int, variant: str) -> 
             payloads = conn.recv_attn_output(meta)
             for arank, payload in zip(served, payloads, strict=True):
                 logits = logits_for(arank, layer, s)
-                if variant == "router_logits_forward" and not torch.equal(
+                if variant in ("router_logits_forward", "overlapped") and not torch.equal(
                     payload.router_logits, logits
                 ):
                     problems.append(f"router_logits a{arank} l{layer} s{s}")
@@ -126,6 +179,8 @@ def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int, variant: str) -> 
                         and torch.equal(payload.topk_weights, weights)
                     ):
                         problems.append(f"topk a{arank} l{layer} s{s}")
+            if variant == "overlapped":
+                time.sleep(rng.uniform(0, MAX_DELAY_S))
             conn.send_ffn_output([p.hidden_states * 2 + layer for p in payloads], meta)
     if not conn.recv_control().shutdown:
         problems.append("no shutdown message")
@@ -144,12 +199,17 @@ def run(rank: int, port: int, a: int, f: int) -> dict[str, Any]:
             num_ffn_ranks=f,
             compute_gate_on_attention=gate,
             timeout_s=60.0,
+            # With sequence headers an empty stage still has bytes on the wire (its headers):
+            # the overlapped variant checks they are sent in order.
+            connector_extra_config={"check_sequence": variant == "overlapped"},
         )
         spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32, **spec_kwargs)
         conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=LAYERS)
         conn.init()
         try:
-            if role is AFDRole.ATTENTION:
+            if role is AFDRole.ATTENTION and variant == "overlapped":
+                problems = _overlapped(conn, role_rank)
+            elif role is AFDRole.ATTENTION:
                 ids = bool(spec_kwargs.get("input_ids"))
                 problems = _attention(conn, role_rank, gate, split, ids)
             else:

@@ -455,3 +455,43 @@ def test_softmax_topk_rejects() -> None:
     with pytest.raises(AFDRemoteError) as info:
         softmax_topk(torch.zeros(2, 3), 4, True)
     assert info.value.field == "top_k"
+
+
+# -- two stages, one of them empty --------------------------------------------------------------
+
+
+def test_a_lone_stage_also_carries_the_empty_stage_at_every_layer(
+    log: list[Event], dbo: FakeUbatching
+) -> None:
+    """A step of a 2-stage deployment that runs as one stage (one request) announces 0 tokens
+    for stage 1; each layer's dispatch then also sends stage 1's zero-token transfer right after
+    its own, and the receive completes it after its own: every (layer, stage) is on the wire."""
+    conn = RecordingConnector(spec(router_logits_width=4), log)
+    proxy = AFDAttentionFusedMoE(2, gate_on_attention=True)
+    hidden, logits = _hidden(3), _logits(3, 4)
+    meta = AFDForwardMetadata(connector=conn, stage_idx=0, num_stages=2, num_tokens=(3, 0))
+    with set_afd_forward_metadata(meta):
+        out = proxy(hidden, logits)
+    assert _kinds(log) == [
+        ("send", 2, 0),
+        ("send", 2, 1),
+        ("yield", None, None),
+        ("recv", 2, 0),
+        ("recv", 2, 1),
+    ]
+    assert [e.num_tokens for e in log if e.kind == "send"] == [(3,), (0,)]
+    empty = log[1].tensors
+    assert set(empty) == {"hidden_states", "router_logits"}
+    assert empty["hidden_states"].shape == (0, 4) and empty["router_logits"].shape == (0, 4)
+    assert torch.equal(out, hidden * 3 + 9)
+
+
+@pytest.mark.parametrize("counts", [(3, 2), None])
+def test_split_or_unannounced_steps_send_no_empty_transfer(
+    log: list[Event], counts: tuple[int, int] | None
+) -> None:
+    conn = RecordingConnector(spec(), log)
+    meta = AFDForwardMetadata(connector=conn, stage_idx=0, num_stages=2, num_tokens=counts)
+    with set_afd_forward_metadata(meta):
+        RemoteFFNProxy(0)(_hidden(3))
+    assert _kinds(log) == [("send", 0, 0), ("recv", 0, 0)]

@@ -55,6 +55,10 @@ class RecordingConnector(AFDConnectorBase):
         self.calls.append(("close",))
         self.ready = False
 
+    def abort(self, op: str, reason: str) -> None:
+        self.calls.append(("abort", op, reason))
+        self.close()
+
     @property
     def is_initialized(self) -> bool:
         return self.ready
@@ -178,3 +182,91 @@ def test_ffn_service_batches_its_peers_through_the_selected_connector(
     assert tuple(sent[2][2].shape) == (0, HIDDEN)
     assert (svc.stats.steps, svc.stats.compute_calls, svc.stats.tokens) == (3, 4, 12)
     assert not svc.failed
+
+
+def test_two_stage_deployment_announces_an_unsplit_step_with_an_empty_second_stage(
+    recording: type[RecordingConnector],
+) -> None:
+    cfg = AFDConfig.from_mapping({"role": "attention", "connector": NAME, "num_stages": 2})
+    connector = build_connector(cfg, 0, SPEC, (1,), "cpu")
+    connector.init()
+    seen = []
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> Any:
+            meta = get_afd_forward_metadata()
+            seen.append((meta.stage_idx, meta.num_stages, meta.num_tokens))
+            return input_ids
+
+    model = Model()
+    install_step_hook(model, AttentionLink(connector), cfg.num_stages, cfg.timeout_s)
+    model(torch.zeros(3, dtype=torch.long), torch.arange(3))
+    assert connector.calls == [("send_control", AFDControlMessage(((3,), (0,))))]
+    assert seen == [(0, 2, (3, 0))]
+
+
+def test_ffn_service_serves_every_stage_of_every_layer_in_order(
+    recording: type[RecordingConnector],
+) -> None:
+    cfg = AFDConfig.from_mapping({"role": "ffn", "connector": NAME, "num_stages": 2})
+    recording.script = [
+        AFDControlMessage(((2,), (3,))),
+        AFDControlMessage(((4,), (0,))),
+        AFDControlMessage.shutdown_message(),
+    ]
+    computed: list[tuple[int, int]] = []
+
+    def compute(layer: int, hidden: torch.Tensor, logits: torch.Tensor | None) -> torch.Tensor:
+        computed.append((layer, hidden.shape[0]))
+        return hidden + 1
+
+    svc = FFNService(cfg, 0, (1, 3), compute, lambda: build_connector(cfg, 0, SPEC, (1, 3), "cpu"))
+    svc.start()
+    try:
+        for _ in range(300):
+            if len(recording.built) == 2:
+                break
+            threading.Event().wait(0.01)
+    finally:
+        svc.stop()
+        recording.built[-1].released.set()
+    received = [
+        (c[1].layer_idx, c[1].stage_idx, c[1].num_tokens)
+        for c in recording.built[0].calls
+        if c[0] == "recv_attn_output"
+    ]
+    assert received == [
+        (1, 0, (2,)),
+        (1, 1, (3,)),
+        (3, 0, (2,)),
+        (3, 1, (3,)),
+        (1, 0, (4,)),
+        (1, 1, (0,)),
+        (3, 0, (4,)),
+        (3, 1, (0,)),
+    ]
+    # An empty stage computes nothing.
+    assert computed == [(1, 2), (1, 3), (3, 2), (3, 3), (1, 4), (3, 4)]
+    assert not svc.failed
+
+
+def test_ffn_service_refuses_a_step_with_another_stage_count(
+    recording: type[RecordingConnector],
+) -> None:
+    from afd_core.errors import AFDProtocolError
+    from afd_runtime.ffn_service import FFNServiceError
+
+    cfg = AFDConfig.from_mapping({"role": "ffn", "connector": NAME, "num_stages": 2})
+    recording.script = [AFDControlMessage(((5,),))]
+    svc = FFNService(cfg, 0, (1,), lambda l, h, g: h, lambda: build_connector(cfg, 0, SPEC, (1,), "cpu"))
+    svc.start()
+    assert svc.wait(10)
+    with pytest.raises(FFNServiceError) as info:
+        svc.raise_if_failed()
+    cause = info.value.__cause__
+    assert isinstance(cause, AFDProtocolError)
+    assert "announced 1 stage(s)" in str(cause) and "num_stages=2" in str(cause)
+    conn = recording.built[0]
+    assert not [c for c in conn.calls if c[0] == "recv_attn_output"]
+    # The Attention ranks are told why (their waits fail at once instead of timing out).
+    assert ("abort", "recv_control", str(cause)) in conn.calls

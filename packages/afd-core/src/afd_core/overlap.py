@@ -195,8 +195,8 @@ def run_overlapped(
     Raises:
         ValueError: no stage, or ``timeout_s`` is not a positive number.
         BaseException: the first error a stage raised (see the module invariants).
-        AFDTimeoutError: a stage thread did not end within ``timeout_s`` after the run's last
-            turn change (it is left as a daemon thread).
+        AFDTimeoutError: a stage thread did not end within ``2 * timeout_s`` after the run's
+            last turn change (it is left as a daemon thread).
     """
     if not stages:
         raise ValueError("stages is empty; allowed: one callable per stage")
@@ -216,17 +216,20 @@ def run_overlapped(
         run.cond.notify_all()
     for thread in threads:
         # Each stage's waits are bounded by timeout_s, so a thread ends unless a stage body
-        # blocks outside them; the caller's wait is bounded the same way per thread.
+        # blocks outside them; the caller waits twice that without a turn change, then gives up
+        # (the stage's own error first, when it recorded one).
         while thread.is_alive():
             with run.cond:
                 before = run.turn
-            thread.join(run.timeout_s)
+            thread.join(2 * run.timeout_s)
             if thread.is_alive():
                 with run.cond:
                     stuck = run.turn == before
                 if stuck:
+                    if run.error is not None:
+                        raise run.error
                     raise AFDTimeoutError(
-                        f"{thread.name} did not end within {run.timeout_s:g}s "
+                        f"{thread.name} did not end within {2 * run.timeout_s:g}s "
                         f"(turn held by stage {before})"
                     )
     if run.error is not None:

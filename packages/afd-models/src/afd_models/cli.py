@@ -172,6 +172,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also measure the quantized FFN computes at 1:1, gate on FFN (layered w8a8, mega "
         "w4a8 per channel)",
     )
+    bench.add_argument(
+        "--stages",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure num_stages=2 at 1:1, gate on FFN, at each batch size >= 2 (the share "
+        "of the MoE-layer round trips the second stage hides)",
+    )
     bench.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bench.add_argument("--repeats", type=int, default=3, help="timed batches per row")
     bench.add_argument("--out", type=Path, default=None, help="JSON result file")
@@ -328,6 +335,7 @@ def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             max_tokens=ns.max_tokens,
             repeats=ns.repeats,
             quantized=ns.quantized,
+            stages=ns.stages,
             out=ns.out,
             log_dir=ns.log_dir,
             cache_dir=ns.cache_dir,

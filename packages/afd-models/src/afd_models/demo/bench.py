@@ -12,6 +12,10 @@ One run measures, on this host:
   the Attention role sent per step: the sum over the FFN ranks of each rank's received
   ``bytes / steps`` (its ``AFD FFN rank=<f> stats ...`` line), over the deployment's whole run
   (warm-up rounds and every batch size: the same requests for every F), with its ratio to F = 1;
+* unless :attr:`BenchConfig.stages` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
+  ``num_stages=2`` at each batch size of at least 2 (a one-request step runs one stage), against
+  the one-stage ``afd 1:1`` row: the share of the transfer hidden is
+  ``(TPOT_1 - TPOT_2) / (L x raw round trip)`` (target on a 2-core host: >= 50 % at batch 16);
 * unless :attr:`BenchConfig.quantized` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
   the FFN rank's quantized computes (:data:`QUANTIZED_SETUPS`: Layered on W8A8 experts, Mega on
   W4A8 per-channel experts) at each batch size, against the native fp32 ``afd 1:1`` row and
@@ -77,6 +81,8 @@ FFN_RANKS: Final[tuple[int, ...]] = (1, 2)
 DEFAULT_THREADS_SETUP: Final[str] = "plain (vLLM default threads)"
 TARGET_RATIO: Final[float] = 1.5
 TARGET_OVERHEAD_RT: Final[float] = 3.0
+#: Two-stage overlap: the share of the MoE-layer round trips hidden at the largest batch.
+TARGET_HIDDEN_SHARE: Final[float] = 0.5
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,7 @@ class BenchConfig:
     max_tokens: int = 48
     repeats: int = 3
     quantized: bool = True
+    stages: bool = True
     out: Path | None = None
     log_dir: Path = Path("afd-bench-logs")
     cache_dir: Path | None = None
@@ -173,6 +180,22 @@ class ComparedRow:
     @property
     def meets_targets(self) -> bool:
         return self.ratio <= TARGET_RATIO and self.overhead_in_round_trips <= TARGET_OVERHEAD_RT
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """``num_stages=2`` against one stage (1:1, gate on FFN) at one batch size (milliseconds).
+
+    ``hidden_share`` is ``(tpot_one_stage - tpot_two_stages) / (layers x raw_round_trip)``: the
+    part of the step's ``L`` MoE-layer round trips the second stage's attention hid."""
+
+    batch: int
+    tpot_one_stage_ms: float
+    tpot_two_stages_ms: float
+    layers: int
+    raw_round_trip_ms: float
+    hidden_share: float
+    split_steps: float  # share of the FFN's steps that ran two non-empty stages
 
 
 @dataclass(frozen=True)
@@ -469,6 +492,57 @@ def quantized_rows(
     return out
 
 
+def stage_rows(
+    one: Sequence[TPOTRow],
+    two: Sequence[TPOTRow],
+    round_trip: Mapping[int, float],
+    layers: int,
+    split_steps: float,
+) -> list[StageRow]:
+    """Each ``num_stages=2`` row against the one-stage row of the same batch size."""
+    by_batch = {r.batch: r for r in one}
+    out = []
+    for r in two:
+        base = by_batch[r.batch]
+        rt = round_trip[r.batch]
+        out.append(
+            StageRow(
+                r.batch,
+                base.tpot_ms,
+                r.tpot_ms,
+                layers,
+                rt,
+                (base.tpot_ms - r.tpot_ms) / (layers * rt),
+                split_steps,
+            )
+        )
+    return out
+
+
+def render_stages(rows: Sequence[StageRow]) -> str:
+    """The two-stage table (markdown)."""
+    head = (
+        "| batch | TPOT 1 stage (ms) | TPOT 2 stages (ms) | L x raw round trip (ms) | "
+        "transfer hidden | split steps |"
+    )
+    lines = [head, "|" + "---|" * 6]
+    for r in rows:
+        lines.append(
+            f"| {r.batch} | {r.tpot_one_stage_ms:.2f} | {r.tpot_two_stages_ms:.2f} | "
+            f"{r.layers * r.raw_round_trip_ms:.3f} | {100 * r.hidden_share:.0f} % | "
+            f"{100 * r.split_steps:.0f} % |"
+        )
+    return "\n".join(lines)
+
+
+def split_step_share(stats: FFNStats | None) -> float:
+    """The share of an FFN rank's steps whose second stage carried tokens: a split step makes
+    ``2 L`` compute calls, a one-stage step ``L`` (its empty stage computes nothing)."""
+    if stats is None or not stats.steps:
+        raise RuntimeError("two-stage setup: no stats line from FFN rank 0")
+    return stats.compute_calls / (stats.steps * stats.layers) - 1.0
+
+
 def render_quantized(rows: Sequence[QuantizedRow]) -> str:
     """The quantized-compute table (markdown)."""
     head = (
@@ -543,6 +617,28 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         )
         afd_rows += _run_setup([attention, *ffns], attention, batches, cfg, setup)
 
+    # Two-stage overlap at 1:1 (gate on FFN), against the one-stage afd 1:1 rows above.
+    stages: list[StageRow] = []
+    stage_tpot: list[TPOTRow] = []
+    stage_batches = tuple(b for b in cfg.batch_sizes if b >= 2)
+    if cfg.stages and stage_batches:
+        setup = f"{setup_name(1, 1, gate_on_attention=False)} stages=2"
+        progress(setup)
+        attention, ffns = afd_servers(
+            model,
+            log_dir=log_dir,
+            options=_options(cfg, PLACEMENT_ENV),
+            num_attention_ranks=1,
+            gate_on_attention=False,
+            afd_extra={"num_stages": 2},
+            prefix="bench-1a1f-stages2",
+            progress=progress,
+        )
+        stage_tpot = _run_setup([attention, *ffns], attention, stage_batches, cfg, setup)
+        split = split_step_share(parse_ffn_stats(ffns[0].log_text()).get(0))
+        one_stage = [r for r in afd_rows if r.setup == setup_name(1, 1, gate_on_attention=False)]
+        stages = stage_rows(one_stage, stage_tpot, round_trip, layers, split)
+
     # Quantized FFN computes at 1:1 (gate on FFN), against the native afd 1:1 rows above.
     quantized: list[QuantizedRow] = []
     quantized_tpot: list[TPOTRow] = []
@@ -594,19 +690,28 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         "env": dict(PLACEMENT_ENV),
         "default_threads_env": dict(DEFAULT_ENGINE_ENV),
         "raw_round_trip_ms": {str(b): v for b, v in round_trip.items()},
-        "tpot": [asdict(r) for r in (*plain_rows, *afd_rows, *quantized_tpot)],
+        "tpot": [asdict(r) for r in (*plain_rows, *afd_rows, *stage_tpot, *quantized_tpot)],
+        "stages": [
+            {**asdict(r), "meets_target": r.hidden_share >= TARGET_HIDDEN_SHARE} for r in stages
+        ],
         "compared": [{**asdict(r), "meets_targets": r.meets_targets} for r in rows],
         "traffic": [asdict(r) for r in traffic],
         "quantized": [
             {**asdict(r), "bytes_ratio_vs_bf16": r.bytes_ratio_vs_bf16} for r in quantized
         ],
-        "targets": {"ratio_max": TARGET_RATIO, "overhead_round_trips_max": TARGET_OVERHEAD_RT},
+        "targets": {
+            "ratio_max": TARGET_RATIO,
+            "overhead_round_trips_max": TARGET_OVERHEAD_RT,
+            "hidden_share_min_at_largest_batch": TARGET_HIDDEN_SHARE,
+        },
     }
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(result, indent=2) + "\n")
     progress(render(rows))
     progress(render_traffic(traffic))
+    if stages:
+        progress(render_stages(stages))
     if quantized:
         progress(render_quantized(quantized))
     default = {r.batch: r.tpot_ms for r in plain_rows if r.setup == DEFAULT_THREADS_SETUP}

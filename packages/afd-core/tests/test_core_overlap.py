@@ -1,0 +1,178 @@
+"""afd-core's two-stage overlap: the request-boundary stage plan and the ping-pong that runs it."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from afd_core.errors import AFDOverlapError, AFDTimeoutError
+from afd_core.forward_context import current_stage_idx, dbo_yield
+from afd_core.overlap import current_overlap_stage, plan_stages, run_overlapped
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "expected"),
+    [
+        ([1, 1], (1, 1)),
+        ([1, 1, 1, 1], (2, 2)),
+        ([1, 1, 1], (1, 2)),  # tie (1 vs 2, 2 vs 1): the earlier cut
+        ([10, 1, 1], (1, 2)),
+        ([1, 1, 10], (2, 1)),
+        ([3, 4, 5], (2, 1)),
+        ([7, 2, 2, 2, 1], (1, 4)),
+    ],
+)
+def test_plan_cuts_at_the_request_boundary_that_best_balances_tokens(
+    query_lens: list[int], expected: tuple[int, int]
+) -> None:
+    assert plan_stages(query_lens, 2) == expected
+
+
+@pytest.mark.parametrize(("query_lens", "stages"), [([5], 2), ([1], 2), ([3, 4], 1)])
+def test_plan_keeps_one_request_or_one_stage_whole(query_lens: list[int], stages: int) -> None:
+    assert plan_stages(query_lens, stages) is None
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "stages", "field"),
+    [([1, 1], 3, "num_stages"), ([1, 1], True, "num_stages"), ([1, 0], 2, "query_lens")],
+)
+def test_plan_rejects_bad_input_naming_it(query_lens: list[int], stages: object, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        plan_stages(query_lens, stages)  # type: ignore[arg-type]
+
+
+def _layers(stage: int, log: list[tuple[int, int, str]], layers: int = 3) -> object:
+    def run() -> int:
+        for layer in range(layers):
+            log.append((stage, layer, "send"))
+            dbo_yield()
+            log.append((stage, layer, "recv"))
+        return 100 + stage
+
+    return run
+
+
+def test_stages_alternate_at_every_yield_in_stage_order() -> None:
+    log: list[tuple[int, int, str]] = []
+    results = run_overlapped([_layers(0, log), _layers(1, log)], timeout_s=10)  # type: ignore[list-item]
+    assert results == [100, 101]
+    assert log == [
+        (0, 0, "send"),
+        (1, 0, "send"),
+        (0, 0, "recv"),
+        (0, 1, "send"),
+        (1, 0, "recv"),
+        (1, 1, "send"),
+        (0, 1, "recv"),
+        (0, 2, "send"),
+        (1, 1, "recv"),
+        (1, 2, "send"),
+        (0, 2, "recv"),
+        (1, 2, "recv"),
+    ]
+
+
+def test_only_one_stage_runs_at_a_time_even_with_delays() -> None:
+    running: list[int] = []
+    overlaps: list[tuple[int, ...]] = []
+    lock = threading.Lock()
+
+    def stage(idx: int) -> object:
+        def run() -> int:
+            for layer in range(4):
+                with lock:
+                    running.append(idx)
+                    if len(running) > 1:
+                        overlaps.append(tuple(running))
+                time.sleep(0.002 * ((idx + layer) % 3))
+                with lock:
+                    running.remove(idx)
+                dbo_yield()
+            return idx
+
+        return run
+
+    assert run_overlapped([stage(0), stage(1)], timeout_s=10) == [0, 1]  # type: ignore[list-item]
+    assert overlaps == []
+
+
+def test_inside_a_stage_its_index_and_resume_hook_apply() -> None:
+    seen: list[tuple[int | None, int]] = []
+    resumed: list[int] = []
+
+    def stage() -> None:
+        seen.append((current_overlap_stage(), current_stage_idx()))
+        dbo_yield()
+        seen.append((current_overlap_stage(), current_stage_idx()))
+
+    run_overlapped([stage, stage], timeout_s=10, on_resume=resumed.append)
+    assert seen == [(0, 0), (1, 1), (0, 0), (1, 1)]
+    assert resumed == [0, 1, 0, 1]
+    assert current_overlap_stage() is None
+
+
+def test_a_lone_stage_never_waits_at_a_yield() -> None:
+    log: list[tuple[int, int, str]] = []
+    assert run_overlapped([_layers(0, log)], timeout_s=10) == [100]  # type: ignore[list-item]
+    assert [e[2] for e in log] == ["send", "recv"] * 3
+
+
+def test_a_failing_stage_stops_the_other_and_its_error_is_raised() -> None:
+    log: list[tuple[int, int, str]] = []
+    boom = KeyError("stage 1 broke")
+
+    def failing() -> None:
+        log.append((1, 0, "send"))
+        dbo_yield()
+        raise boom
+
+    with pytest.raises(KeyError) as info:
+        run_overlapped([_layers(0, log), failing], timeout_s=10)  # type: ignore[list-item]
+    assert info.value is boom
+    # Stage 0 received layer 0 and sent layer 1; its next yield raised, so it never received it.
+    assert log == [(0, 0, "send"), (1, 0, "send"), (0, 0, "recv"), (0, 1, "send")]
+    assert not [t for t in threading.enumerate() if t.name.startswith("afd-stage")]
+
+
+def test_the_stopped_stage_sees_an_overlap_error_naming_the_failed_stage() -> None:
+    caught: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            dbo_yield()
+        except AFDOverlapError as exc:
+            caught.append(exc)
+            raise
+
+    def second() -> None:
+        raise ValueError("bad shapes")
+
+    with pytest.raises(ValueError, match="bad shapes"):
+        run_overlapped([first, second], timeout_s=10)
+    assert len(caught) == 1 and "stage 1 failed with ValueError: bad shapes" in str(caught[0])
+
+
+def test_a_stage_holding_the_turn_past_the_timeout_fails_the_run() -> None:
+    release = threading.Event()
+
+    def hog() -> None:
+        release.wait(5)
+
+    def waiter() -> None:
+        dbo_yield()
+
+    start = time.monotonic()
+    with pytest.raises(AFDTimeoutError, match="stage 1 waited 0.3s for its turn; stage 0 kept it"):
+        run_overlapped([hog, waiter], timeout_s=0.3)
+    release.set()
+    assert time.monotonic() - start < 4
+
+
+@pytest.mark.parametrize("timeout", [0, -1, True, "1"])
+def test_run_rejects_bad_arguments(timeout: object) -> None:
+    with pytest.raises(ValueError, match="timeout_s"):
+        run_overlapped([lambda: None], timeout_s=timeout)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="stages"):
+        run_overlapped([], timeout_s=1)
