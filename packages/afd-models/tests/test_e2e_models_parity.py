@@ -2,8 +2,16 @@
 
 Engines are expensive (30-90 s each on a small CPU box), so servers are shared: one plain
 baseline per model family (its outputs computed once per session) and one AFD deployment per
-case (module-scoped, parametrized): eight cases with one FFN rank (two servers each) and four
-expert-parallel cases with two FFN ranks (three servers each). One deployment runs at a time.
+case (module-scoped, parametrized): eight cases with one FFN rank (two servers each), four
+expert-parallel cases with two FFN ranks (three servers each) and three two-stage cases
+(``num_stages=2``). One deployment runs at a time.
+
+Two stages (``num_stages=2``): the Attention role splits every step with two or more requests
+at a request boundary and overlaps the stages; greedy tokens must equal plain vLLM (and so the
+one-stage case of the same topology, which equals plain vLLM too). The 2:1 case runs with random
+delays injected on both roles (``AFD_INJECT_DELAY_MS``: before every FFN (layer, stage) and every
+stage turn). DeepSeek-V2 runs its two-stage case with ``--max-num-seqs 2``: every split stage
+then holds one sequence, the batch plain vLLM's CPU MLA path is exact for (see below).
 Each engine logs to ``$AFD_E2E_LOG_DIR`` (default: pytest's tmp dir).
 
 Expert parallel (two FFN ranks): the combined routed output is ``partial_0 + partial_1`` where
@@ -22,7 +30,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -55,11 +63,17 @@ class Case:
     num_attention_ranks: int
     gate_on_attention: bool
     num_ffn_ranks: int = 1
+    num_stages: int = 1
+    max_num_seqs: int | None = None  # None: parity_options' choice
+    delay_ms: int = 0  # AFD_INJECT_DELAY_MS on both roles
 
     @property
     def id(self) -> str:
         gate = "gate_attn" if self.gate_on_attention else "gate_ffn"
-        return f"{self.family}-{self.num_attention_ranks}A{self.num_ffn_ranks}F-{gate}"
+        name = f"{self.family}-{self.num_attention_ranks}A{self.num_ffn_ranks}F-{gate}"
+        if self.num_stages > 1:
+            name += f"-{self.num_stages}stages"
+        return name + ("-delayed" if self.delay_ms else "")
 
 
 CASES = [
@@ -78,6 +92,10 @@ CASES = [
     Case("qwen3_moe", 2, True, 2),
     Case("deepseek_v2", 1, True, 2),
     Case("deepseek_v2", 2, True, 2),
+    # Two stages, overlapped (see the module docstring).
+    Case("qwen3_moe", 1, False, num_stages=2),
+    Case("qwen3_moe", 2, False, num_stages=2, delay_ms=4),
+    Case("deepseek_v2", 1, True, num_stages=2, max_num_seqs=2),
 ]
 
 
@@ -147,13 +165,19 @@ def deployment(
 ) -> Iterator[Deployment]:
     case: Case = request.param
     baseline(case.family)  # type: ignore[operator]  # plain engine first, never beside the AFD pair
+    options = parity_options(checkpoints[case.family], OPTIONS)
+    if case.max_num_seqs is not None:
+        options = replace(options, max_num_seqs=case.max_num_seqs)
+    if case.delay_ms:
+        options = replace(options, env={**options.env, "AFD_INJECT_DELAY_MS": str(case.delay_ms)})
     attention, ffns = afd_servers(
         checkpoints[case.family],
         log_dir=_log_root(tmp_path_factory),
-        options=parity_options(checkpoints[case.family], OPTIONS),
+        options=options,
         num_attention_ranks=case.num_attention_ranks,
         num_ffn_ranks=case.num_ffn_ranks,
         gate_on_attention=case.gate_on_attention,
+        afd_extra={"num_stages": case.num_stages} if case.num_stages > 1 else None,
         prefix=case.id,
         progress=print,
     )
@@ -235,7 +259,8 @@ STOP_BOUND_S = 30.0
 def test_sigterm_stops_both_roles_and_the_ffn_batched_its_peers(deployment: Deployment) -> None:
     """Last test of each deployment: stop it. Both roles exit 0 within the bound without SIGKILL
     (the 2-rank Qwen3 case stops the FFN first, the others the Attention role first), and the
-    FFN computed once per MoE layer per step over all of its Attention ranks."""
+    FFN computed once per MoE layer (and non-empty stage) per step over all of its Attention
+    ranks."""
     from afd_models.demo.servers import parse_ffn_stats
 
     case = deployment.case
@@ -251,7 +276,11 @@ def test_sigterm_stops_both_roles_and_the_ffn_batched_its_peers(deployment: Depl
         s = stats[f]
         assert s.peers == case.num_attention_ranks
         assert s.steps > 0 and s.tokens > 0
-        if case.num_ffn_ranks == 1:
+        if case.num_stages > 1:
+            # One call per layer and non-empty stage: a split step makes two per layer, and
+            # the prompts sent together made some steps split.
+            assert s.steps * s.layers < s.compute_calls <= 2 * s.steps * s.layers, s
+        elif case.num_ffn_ranks == 1:
             assert s.compute_calls == s.steps * s.layers, s
         else:
             # A rank computes once per layer that routed it tokens: never more than batched.

@@ -235,7 +235,9 @@ def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
     )
     out = tmp_path / "res" / "serving.json"
     printed: list[str] = []
-    cfg = BenchConfig(batch_sizes=(1, 4), out=out, log_dir=tmp_path / "logs", quantized=False)
+    cfg = BenchConfig(
+        batch_sizes=(1, 4), out=out, log_dir=tmp_path / "logs", quantized=False, stages=False
+    )
     result = bench.run_bench(cfg, progress=printed.append)
 
     assert [
@@ -410,7 +412,9 @@ def test_run_bench_adds_the_quantized_computes_at_one_to_one(
     )
     out = tmp_path / "serving.json"
     printed: list[str] = []
-    cfg = BenchConfig(batch_sizes=(1, 4), ffn_ranks=(1,), out=out, log_dir=tmp_path / "logs")
+    cfg = BenchConfig(
+        batch_sizes=(1, 4), ffn_ranks=(1,), out=out, log_dir=tmp_path / "logs", stages=False
+    )
     assert cfg.quantized
     result = json.loads(json.dumps(bench.run_bench(cfg, progress=printed.append)))
     assert json.loads(out.read_text()) == result
@@ -485,3 +489,76 @@ def test_run_bench_fails_when_a_quantized_ffn_rank_did_not_compute_quantized(
         bench.run_bench(cfg, progress=lambda msg: None)
     # The deployment was stopped before the check.
     assert events[-1] == "stop bench-1a1f-layered-w8a8-ffn"
+
+
+def test_stage_rows_derive_the_hidden_share_of_the_round_trips() -> None:
+    one = [TPOTRow("afd 1:1", 4, 20.0, (20.0,)), TPOTRow("afd 1:1", 16, 30.0, (30.0,))]
+    two = [TPOTRow("afd 1:1 stages=2", 4, 19.0, (19.0,)), TPOTRow("afd 1:1 stages=2", 16, 27.0, (27.0,))]
+    rows = bench.stage_rows(one, two, {4: 0.5, 16: 1.0}, 4, 0.75)
+    assert [(r.batch, r.tpot_one_stage_ms, r.tpot_two_stages_ms) for r in rows] == [
+        (4, 20.0, 19.0),
+        (16, 30.0, 27.0),
+    ]
+    assert [r.hidden_share for r in rows] == [0.5, 0.75]
+    assert all(r.split_steps == 0.75 for r in rows)
+    table = bench.render_stages(rows)
+    assert "| 16 | 30.00 | 27.00 | 4.000 | 75 % | 75 % |" in table
+
+
+def test_split_step_share_counts_steps_with_two_computed_stages() -> None:
+    from afd_models.demo.servers import FFNStats
+
+    stats = FFNStats(rank=0, steps=10, compute_calls=60, tokens=100, bytes=0, peers=1, layers=4)
+    assert bench.split_step_share(stats) == 0.5
+    with pytest.raises(RuntimeError, match="no stats line"):
+        bench.split_step_share(None)
+
+
+def test_run_bench_measures_two_stages_against_one_at_batches_of_two_or_more(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from afd_runtime.ffn_service import STATS_FORMAT
+
+    model = tmp_path / "tiny"
+    model.mkdir()
+    (model / "config.json").write_text(
+        json.dumps({"hidden_size": 64, "num_hidden_layers": 2, "decoder_sparse_step": 1})
+    )
+    events: list[str] = []
+    deployments: list[dict[str, object]] = []
+
+    def fake_afd_servers(model: object, **kw: Any) -> tuple[FakeServer, tuple[FakeServer, ...]]:
+        deployments.append(kw)
+        log = STATS_FORMAT.format(rank=0, steps=10, calls=30, tokens=10, bytes=1, peers=1, layers=2)
+        ffn = FakeServer(f"{kw['prefix']}-ffn", log, events)
+        return FakeServer(f"{kw['prefix']}-attention", "", events), (ffn,)
+
+    tpot = {"plain": 10.0, "afd 1:1": 12.0, "afd 1:1 stages=2": 11.0}
+    monkeypatch.setattr(bench, "ensure_tiny_checkpoint", lambda spec, cache: model)
+    monkeypatch.setattr(bench, "raw_round_trip_ms", lambda sizes, hidden: dict.fromkeys(sizes, 0.25))
+    monkeypatch.setattr(
+        bench, "plain_server", lambda model, name, **kw: FakeServer(name, "", events)
+    )
+    monkeypatch.setattr(bench, "afd_servers", fake_afd_servers)
+    monkeypatch.setattr(bench, "wait_until_healthy", lambda servers: None)
+    measured: list[tuple[str, int]] = []
+
+    def fake_measure(server: object, b: int, cfg: object, setup: str) -> TPOTRow:
+        measured.append((setup, b))
+        return TPOTRow(setup, b, tpot.get(setup, 9.0), (1.0,))
+
+    monkeypatch.setattr(bench, "measure_tpot", fake_measure)
+    cfg = BenchConfig(batch_sizes=(1, 4, 16), log_dir=tmp_path / "logs", quantized=False)
+    result = bench.run_bench(cfg, progress=lambda _msg: None)
+    staged = [d for d in deployments if d["prefix"] == "bench-1a1f-stages2"]
+    assert len(staged) == 1 and staged[0]["afd_extra"] == {"num_stages": 2}
+    assert not staged[0]["gate_on_attention"] and staged[0]["num_attention_ranks"] == 1
+    assert [m for m in measured if m[0] == "afd 1:1 stages=2"] == [
+        ("afd 1:1 stages=2", 4),
+        ("afd 1:1 stages=2", 16),
+    ]
+    # (12 - 11) / (2 layers x 0.25 ms) = 2.0; 30 calls over 10 steps of 2 layers: half split.
+    assert [(r["batch"], r["hidden_share"], r["split_steps"], r["meets_target"]) for r in result["stages"]] == [
+        (4, 2.0, 0.5, True),
+        (16, 2.0, 0.5, True),
+    ]

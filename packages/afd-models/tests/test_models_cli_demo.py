@@ -32,6 +32,7 @@ def test_demo_defaults_are_the_tiny_qwen_model() -> None:
     assert cfg.max_tokens >= 16
     assert cfg.options.dtype == "float32"
     assert cfg.options.enforce_eager is True
+    assert cfg.num_stages == 1
 
 
 def test_demo_flags_map_to_config(tmp_path: Path) -> None:
@@ -64,6 +65,7 @@ def test_demo_flags_map_to_config(tmp_path: Path) -> None:
     assert cfg.options.enforce_eager is False
     assert cfg.options.max_num_seqs is None
     assert cli.parse_demo_config(["--max-num-seqs", "4"]).options.max_num_seqs == 4
+    assert cli.parse_demo_config(["--stages", "2"]).num_stages == 2
 
 
 def test_qwen3_moe_accepts_the_gate_on_attention_and_several_ffn_ranks() -> None:
@@ -152,6 +154,7 @@ def test_real_model_keeps_checkpoint_dtype(tmp_path: Path) -> None:
         (["--ffn-ranks", "two"], "invalid int value: 'two'"),
         (["--model", "/does/not/exist"], "--model='/does/not/exist'"),
         (["--family", "llama"], "invalid choice: 'llama'"),
+        (["--stages", "3"], "argument --stages: invalid choice: 3"),
         (
             ["--family", "deepseek_v3", "--gate", "attention", "--ffn-ranks", "2"],
             "error: --ffn-ranks=2 with --family deepseek_v3 (noaux_tc routing: the correction "

@@ -6,18 +6,27 @@ token is ``sum over its own slots of w * x * (e + 1)`` and the Attention rank ca
 combined output against the whole sum, computed in the combine order (rank 0's part, then rank
 1's, ...). Weights are multiples of 1/8 so every partial sum is exact: any order gives the same
 bits, and a wrong row, slot or rank shows up exactly.
+
+A second step runs two stages as serving does with ``num_stages=2`` (afd-core's ping-pong,
+random delays before each layer's dispatch and each FFN reply): Attention rank 0 splits its
+tokens 3 | rest, rank 1 runs one stage and its proxy carries stage 1 as empty dispatches (their
+headers tell each FFN rank there is nothing to compute).
 """
 
 from __future__ import annotations
 
+import random
+import time
 from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
+from afd_core.overlap import run_overlapped
 from afd_core.p2p import P2PConnector
 from afd_core.topology import AFDTopology
+from afd_core.forward_context import dbo_yield
 from afd_remote import AFDAttentionFusedMoE
 
 HIDDEN = 8
@@ -69,8 +78,74 @@ def _attention(conn: P2PConnector, topo: AFDTopology, arank: int) -> dict[str, A
             expected += toy_partial(hidden, w, glob)
         if not torch.equal(out, expected):
             problems.append(f"attention {arank} layer {layer}: combined output differs")
+    problems += _attention_staged(conn, topo, arank)
     conn.send_control(AFDControlMessage.shutdown_message())
     return {"problems": problems, "counts": counts}
+
+
+def _expected(topo: AFDTopology, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    emap = topo.expert_map(EXPERTS)
+    expected = torch.zeros_like(hidden)
+    for f in range(topo.num_ffn_ranks):
+        w, i = emap.localise(f, weights, ids)
+        glob = torch.tensor(emap.local_experts(f))[i.long()]
+        expected += toy_partial(hidden, w, glob)
+    return expected
+
+
+def stage_split(arank: int) -> tuple[int, int]:
+    """Tokens per stage in the two-stage step (rank 1 and above: one stage)."""
+    n = tokens(arank)
+    return (3, n - 3) if arank == 0 else (n, 0)
+
+
+def _attention_staged(conn: P2PConnector, topo: AFDTopology, arank: int) -> list[str]:
+    moe = [AFDAttentionFusedMoE(layer, gate_on_attention=True) for layer in range(LAYERS)]
+    split = stage_split(arank)
+    conn.send_control(AFDControlMessage(tuple((c,) for c in split)))
+    problems: list[str] = []
+
+    def stage(s: int) -> Any:
+        rows = slice(0, split[0]) if s == 0 else slice(split[0], split[0] + split[1])
+        rng = random.Random(arank * 10 + s)
+
+        def run() -> None:
+            meta = AFDForwardMetadata(connector=conn, stage_idx=s, num_stages=2, num_tokens=split)
+            with set_afd_forward_metadata(meta):
+                for layer in range(LAYERS):
+                    hidden, weights, ids = (t[rows] for t in routing(arank, layer))
+                    time.sleep(rng.uniform(0, 0.01))
+                    transfer = moe[layer].dispatch_routed(hidden, weights, ids, EXPERTS)
+                    dbo_yield()
+                    out = moe[layer].receive(transfer)
+                    if not torch.equal(out, _expected(topo, hidden, weights, ids)):
+                        problems.append(f"attention {arank} stage {s} layer {layer} differs")
+
+        return run
+
+    run_overlapped([stage(s) for s in range(2) if split[s]], timeout_s=60)
+    return problems
+
+
+def _ffn_staged(conn: P2PConnector, topo: AFDTopology, ffn_rank: int) -> list[tuple[int, ...]]:
+    emap = topo.expert_map(EXPERTS)
+    mine = torch.tensor(emap.local_experts(ffn_rank))
+    ctl = conn.recv_control()
+    rng = random.Random(ffn_rank)
+    received = []
+    for layer in range(LAYERS):
+        for stage in range(ctl.num_stages):
+            meta, payloads = conn.recv_dispatch(layer, stage)
+            received.append(meta.num_tokens)
+            time.sleep(rng.uniform(0, 0.01))
+            if not sum(meta.num_tokens):
+                continue  # the service loop's rule: nothing routed here, nothing sent back
+            outs = []
+            for p in payloads:
+                w, i = emap.localise(ffn_rank, p.topk_weights, p.topk_ids)
+                outs.append(toy_partial(p.hidden_states, w, mine[i.long()]))
+            conn.send_ffn_output(outs, meta)
+    return received
 
 
 def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int) -> dict[str, Any]:
@@ -86,8 +161,13 @@ def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int) -> dict[str, Any]
             w, i = emap.localise(ffn_rank, p.topk_weights, p.topk_ids)
             outs.append(toy_partial(p.hidden_states, w, mine[i.long()]))
         conn.send_ffn_output(outs, meta)
+    staged = _ffn_staged(conn, topo, ffn_rank)
     shutdown = conn.recv_control().shutdown
-    return {"problems": [] if shutdown else ["no shutdown message"], "received": received}
+    return {
+        "problems": [] if shutdown else ["no shutdown message"],
+        "received": received,
+        "staged": staged,
+    }
 
 
 def run(rank: int, port: int, a: int, f: int) -> dict[str, Any]:

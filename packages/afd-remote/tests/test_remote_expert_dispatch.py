@@ -89,3 +89,11 @@ def test_dispatch_routed_round_trip_over_p2p(a: int, f: int) -> None:
     for fr in range(1, f):
         if emap.owner(1) != fr:
             assert reports[a + fr]["received"][1] == (0,) * a
+    # The two-stage step: every FFN rank saw every (layer, stage), stage 1 of ranks >= 1 empty
+    # (carried by their proxies' empty dispatches), and the outputs matched (no problems above).
+    for fr in range(f):
+        staged = reports[a + fr]["staged"]
+        assert len(staged) == worker.LAYERS * 2
+        for layer in range(worker.LAYERS):
+            stage1 = staged[2 * layer + 1]
+            assert all(stage1[ar] == 0 for ar in range(1, a)), (fr, layer, staged)

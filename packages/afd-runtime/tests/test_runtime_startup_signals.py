@@ -149,6 +149,31 @@ def test_fault_injection_names_and_refusals(monkeypatch: pytest.MonkeyPatch) -> 
         fault_injected("nope")
 
 
+def test_delay_injection_is_seeded_bounded_and_refuses_bad_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import time as _time
+
+    from afd_runtime.faults import DELAY_ENV, delay_injector
+
+    monkeypatch.delenv(DELAY_ENV, raising=False)
+    assert delay_injector("x") is None
+    monkeypatch.setenv(DELAY_ENV, "3")
+    slept: list[float] = []
+    monkeypatch.setattr(_time, "sleep", slept.append)
+    first, second = delay_injector("ffn-0"), delay_injector("ffn-0")
+    assert first is not None and second is not None
+    for _ in range(50):
+        first()
+        second()
+    assert slept[0::2] == slept[1::2]  # the same seed, the same delays
+    assert all(0.0 <= d <= 0.003 for d in slept) and len(set(slept)) > 1
+    for bad in ("-1", "soon", "inf"):
+        monkeypatch.setenv(DELAY_ENV, bad)
+        with pytest.raises(ValueError, match=f"AFD_INJECT_DELAY_MS='{bad}'"):
+            delay_injector("x")
+
+
 def test_load_failure_publication_is_bounded_without_an_attention_role() -> None:
     cfg = AFDConfig.from_mapping(
         {"role": "ffn", "port": free_port(), "startup_timeout_s": 1.5, "timeout_s": 1.5}

@@ -69,6 +69,7 @@ from afd_core.metadata import AFDControlMessage, AFDPayload
 from afd_core.topology import AFDTopology
 
 from afd_runtime.compute import FFNCompute, SteppedFFNCompute
+from afd_runtime.faults import delay_injector
 
 logger = logging.getLogger(__name__)
 
@@ -168,6 +169,7 @@ class FFNService:
         self.compute = compute
         # Decided once: a stepped compute gets one scope per step (see _serve_step).
         self._step_scope = compute.step if isinstance(compute, SteppedFFNCompute) else None
+        self._delay = delay_injector(f"ffn-{ffn_rank}")  # tests only (AFD_INJECT_DELAY_MS)
         self._factory = connector_factory
         self._connector: AFDConnectorBase | None = None
         self._stop = threading.Event()
@@ -325,6 +327,8 @@ class FFNService:
             for stage in range(msg.num_stages):
                 meta = msg.transfer_metadata(layer, stage)
                 payloads = connector.recv_attn_output(meta)
+                if self._delay is not None:
+                    self._delay()
                 total = sum(meta.num_tokens)
                 if total:
                     hidden, logits = batch_payloads(payloads)
@@ -353,6 +357,8 @@ class FFNService:
         for layer in self.layer_indices:
             for stage in range(msg.num_stages):
                 meta, payloads = connector.recv_dispatch(layer, stage)
+                if self._delay is not None:
+                    self._delay()
                 total = sum(meta.num_tokens)
                 if not total:
                     continue

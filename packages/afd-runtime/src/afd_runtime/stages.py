@@ -33,7 +33,10 @@ from afd_core.connector import AFDConnectorBase
 from afd_core.forward_context import AFD_FORWARD_CONTEXT_KEY, AFDForwardMetadata
 from afd_core.overlap import plan_stages, run_overlapped
 
+from afd_runtime.faults import delay_injector
+
 _MARK = "_afd_stage_split"
+_DELAY = delay_injector("attention-stages")  # tests only (AFD_INJECT_DELAY_MS)
 _pending = threading.local()  # .real_step (bool), .split (token split point or None)
 
 
@@ -188,8 +191,12 @@ def run_stages(
             )
         )
 
+    delay = _DELAY
+
     def resume(idx: int) -> None:
         fc._forward_context = contexts[idx]
+        if delay is not None:
+            delay()
 
     def stage(idx: int) -> Callable[[], Any]:
         token_slice = slices[idx].token_slice
