@@ -133,7 +133,26 @@ def test_a_failing_stage_stops_the_other_and_its_error_is_raised() -> None:
     assert info.value is boom
     # Stage 0 received layer 0 and sent layer 1; its next yield raised, so it never received it.
     assert log == [(0, 0, "send"), (1, 0, "send"), (0, 0, "recv"), (0, 1, "send")]
-    assert not [t for t in threading.enumerate() if t.name.startswith("afd-stage")]
+    # Nothing is left running: the pooled stage threads are idle and serve the next run.
+    from afd_core import overlap
+
+    assert not [w for w in overlap._POOL if w.busy]
+    assert run_overlapped([lambda: 1, lambda: 2], timeout_s=10) == [1, 2]
+
+
+def test_stage_threads_are_pooled_across_runs() -> None:
+    names: list[str] = []
+
+    def stage() -> None:
+        names.append(threading.current_thread().name)
+
+    run_overlapped([stage, stage], timeout_s=10)
+    first = set(names)
+    names.clear()
+    for _ in range(5):
+        run_overlapped([stage, stage], timeout_s=10)
+    assert set(names) <= first | {threading.current_thread().name} and len(first) == 2
+    assert all(n.startswith("afd-stage-") for n in first)
 
 
 def test_the_stopped_stage_sees_an_overlap_error_naming_the_failed_stage() -> None:

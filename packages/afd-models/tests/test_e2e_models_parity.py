@@ -46,6 +46,7 @@ from afd_models.demo.servers import (
     afd_servers,
     parity_options,
     plain_server,
+    split_every_step,
     stop_all,
     wait_until_healthy,
 )
@@ -168,6 +169,8 @@ def deployment(
     options = parity_options(checkpoints[case.family], OPTIONS)
     if case.max_num_seqs is not None:
         options = replace(options, max_num_seqs=case.max_num_seqs)
+    if case.num_stages > 1:
+        options = split_every_step(options)  # vLLM's DBO thresholds at 1: small steps split
     if case.delay_ms:
         options = replace(options, env={**options.env, "AFD_INJECT_DELAY_MS": str(case.delay_ms)})
     attention, ffns = afd_servers(

@@ -36,3 +36,20 @@ def test_split_at_the_balanced_request_boundary(
 )
 def test_steps_that_stay_whole(query_lens: list[int], computed: list[int], stages: int) -> None:
     assert split_point(query_lens, computed, stages) is None
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "computed", "expected"),
+    [
+        ([1] * 31, [4] * 31, None),  # decodes below the decode threshold (32)
+        ([1] * 32, [4] * 32, 16),
+        ([300, 200], [0, 0], None),  # prefills below the prefill threshold (512)
+        ([300, 212], [0, 0], 300),
+        ([1, 511], [9, 0], 1),  # a mixed step counts against the prefill threshold
+        ([1, 30], [9, 0], None),
+    ],
+)
+def test_vllm_dbo_thresholds_decide_which_steps_split(
+    query_lens: list[int], computed: list[int], expected: int | None
+) -> None:
+    assert split_point(query_lens, computed, 2, 32, 512) == expected

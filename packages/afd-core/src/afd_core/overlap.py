@@ -21,12 +21,18 @@ Invariants:
   :class:`AFDTimeoutError` naming the stage that held it);
 * each stage runs in a copy of the caller's :mod:`contextvars` context; ``on_resume(stage)`` is
   called on the stage's thread each time it takes the turn (the runtime restores the stage's vLLM
-  forward context there).
+  forward context there);
+* stages run on a process-wide pool of daemon threads (``afd-stage-<n>``), created on first use
+  and reused by every later run (starting two threads per step cost more than a step's turn
+  switches on a loaded 2-core host); a thread still busy (a stage stuck past its timeout) is never
+  handed a second stage: the pool grows instead.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
+import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -180,6 +186,43 @@ class _Run(Generic[T]):
                 self.cond.notify_all()
 
 
+class _Worker:
+    """One pooled stage thread: runs the jobs it is handed, one at a time."""
+
+    def __init__(self, name: str) -> None:
+        self.busy = False
+        self.jobs: queue.SimpleQueue[tuple[Callable[[], object], threading.Event]] = (
+            queue.SimpleQueue()
+        )
+        self.thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            job, done = self.jobs.get()
+            try:
+                job()  # _Run.body: records every error itself
+            finally:
+                self.busy = False
+                done.set()
+
+
+_POOL: list[_Worker] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _take_workers(count: int, name: str) -> list[_Worker]:
+    with _POOL_LOCK:
+        taken = [w for w in _POOL if not w.busy][:count]
+        while len(taken) < count:
+            worker = _Worker(f"{name}-{len(_POOL)}")
+            _POOL.append(worker)
+            taken.append(worker)
+        for worker in taken:
+            worker.busy = True
+    return taken
+
+
 def run_overlapped(
     stages: Sequence[Callable[[], T]],
     *,
@@ -187,51 +230,47 @@ def run_overlapped(
     on_resume: Callable[[int], None] | None = None,
     name: str = "afd-stage",
 ) -> list[T]:
-    """Run each callable of ``stages`` on its own thread, one at a time, switching at yields.
+    """Run each callable of ``stages`` on its own (pooled) thread, one at a time, switching at
+    yields.
 
-    Returns the stages' results in stage order. One stage runs inline semantics-wise (no thread
-    switch happens; it still runs on a thread so ``on_resume`` and the context copy apply).
+    Returns the stages' results in stage order. A lone stage never waits at a yield.
 
     Raises:
         ValueError: no stage, or ``timeout_s`` is not a positive number.
         BaseException: the first error a stage raised (see the module invariants).
-        AFDTimeoutError: a stage thread did not end within ``2 * timeout_s`` after the run's
-            last turn change (it is left as a daemon thread).
+        AFDTimeoutError: a stage did not end within ``2 * timeout_s`` after the run's last turn
+            change (its thread stays busy and leaves the pool's rotation).
     """
     if not stages:
         raise ValueError("stages is empty; allowed: one callable per stage")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s!r}; allowed: seconds > 0")
     run: _Run[T] = _Run(len(stages), float(timeout_s), on_resume)
-    threads = []
-    for idx, fn in enumerate(stages):
+    done = [threading.Event() for _ in stages]
+    for idx, (worker, fn) in enumerate(zip(_take_workers(len(stages), name), stages, strict=True)):
         ctx = contextvars.copy_context()
-        thread = threading.Thread(
-            target=ctx.run, args=(run.body, idx, fn), name=f"{name}-{idx}", daemon=True
-        )
-        threads.append(thread)
-        thread.start()
+        worker.jobs.put((functools.partial(ctx.run, run.body, idx, fn), done[idx]))
     with run.cond:
         run.turn = 0
         run.cond.notify_all()
-    for thread in threads:
-        # Each stage's waits are bounded by timeout_s, so a thread ends unless a stage body
-        # blocks outside them; the caller waits twice that without a turn change, then gives up
-        # (the stage's own error first, when it recorded one).
-        while thread.is_alive():
+    for idx, finished in enumerate(done):
+        # Each stage's waits are bounded by timeout_s, so a stage ends unless its body blocks
+        # outside them; the caller waits twice that without a turn change, then gives up (the
+        # stage's own error first, when it recorded one).
+        while not finished.is_set():
             with run.cond:
                 before = run.turn
-            thread.join(2 * run.timeout_s)
-            if thread.is_alive():
-                with run.cond:
-                    stuck = run.turn == before
-                if stuck:
-                    if run.error is not None:
-                        raise run.error
-                    raise AFDTimeoutError(
-                        f"{thread.name} did not end within {2 * run.timeout_s:g}s "
-                        f"(turn held by stage {before})"
-                    )
+            if finished.wait(2 * run.timeout_s):
+                break
+            with run.cond:
+                stuck = run.turn == before
+            if stuck:
+                if run.error is not None:
+                    raise run.error
+                raise AFDTimeoutError(
+                    f"stage {idx} did not end within {2 * run.timeout_s:g}s "
+                    f"(turn held by stage {before})"
+                )
     if run.error is not None:
         raise run.error
     return list(run.results)

@@ -10,10 +10,17 @@ per-stage ``attn_metadata`` / ``slot_mapping`` lists reach the model's forward. 
 forward context per stage, the stages run by afd-core's ping-pong
 (:func:`afd_core.overlap.run_overlapped`), the outputs concatenated in stage order.
 
-When vLLM must not split (mirrors vLLM's own veto): a request that reads KV it did not write in
-an earlier step (``query_len > 1`` with computed tokens: a prefix-cache hit, a chunked-prefill
-continuation or a speculative step) keeps the step whole, so no reader can run before the writer
-of the blocks it reads.
+Which steps split follows vLLM's own dual-batch-overlap rules:
+
+* the step's tokens must reach vLLM's DBO threshold (``--dbo-decode-token-threshold``, default
+  32, for a step of decodes only; ``--dbo-prefill-token-threshold``, default 512, otherwise):
+  below it a second stage costs more (a second pass of every layer's kernel launches and two
+  thread switches per layer) than the round trips it can hide (measured: ``afd bench``'s stage
+  rows in afd-models' README);
+* a request that reads KV it did not write in an earlier step (``query_len > 1`` with computed
+  tokens: a prefix-cache hit, a chunked-prefill continuation or a speculative step) keeps the
+  step whole, so no reader can run before the writer of the blocks it reads (vLLM vetoes such
+  splits for the same reason).
 
 Patches (instance-level on the Attention runner, plus the runner module's
 ``maybe_create_ubatch_slices``, which delegates unchanged unless an AFD split is pending on the
@@ -40,17 +47,26 @@ _DELAY = delay_injector("attention-stages")  # tests only (AFD_INJECT_DELAY_MS)
 _pending = threading.local()  # .real_step (bool), .split (token split point or None)
 
 
-def split_point(query_lens: Sequence[int], computed: Sequence[int], num_stages: int) -> int | None:
+def split_point(
+    query_lens: Sequence[int],
+    computed: Sequence[int],
+    num_stages: int,
+    decode_threshold: int = 0,
+    prefill_threshold: int = 0,
+) -> int | None:
     """The token index where this step's second stage starts, or None to keep it whole.
 
     ``query_lens`` / ``computed``: each scheduled request's new and already computed tokens, in
-    batch order. Whole when :func:`afd_core.overlap.plan_stages` says so or when a request reads
-    KV it did not write in an earlier step (see the module docstring)."""
+    batch order. ``decode_threshold`` / ``prefill_threshold``: the fewest tokens a step of
+    decodes only / any other step needs to split (vLLM's DBO thresholds). Whole when
+    :func:`afd_core.overlap.plan_stages` says so, below the threshold, or when a request reads KV
+    it did not write in an earlier step (see the module docstring)."""
     if num_stages < 2:
         return None
     q = np.asarray(query_lens, dtype=np.int64)
     c = np.asarray(computed, dtype=np.int64)
-    if bool(((q > 1) & (c > 0)).any()):
+    threshold = decode_threshold if bool((q == 1).all()) else prefill_threshold
+    if int(q.sum()) < threshold or bool(((q > 1) & (c > 0)).any()):
         return None
     plan = plan_stages([int(n) for n in q], num_stages)
     if plan is None:
@@ -68,6 +84,8 @@ def install_stage_split(runner: Any, num_stages: int) -> None:
     _patch_slice_builder(gmr)
     execute = runner.execute_model
     determine = runner._determine_batch_execution_and_padding
+    pc = runner.vllm_config.parallel_config
+    thresholds = (int(pc.dbo_decode_token_threshold), int(pc.dbo_prefill_token_threshold))
 
     @functools.wraps(execute)
     def execute_model(*args: Any, **kwargs: Any) -> Any:
@@ -87,7 +105,7 @@ def install_stage_split(runner: Any, num_stages: int) -> None:
         num_reqs = int(kwargs["num_reqs"])
         query_lens = kwargs["num_scheduled_tokens_np"][:num_reqs]
         computed = runner.input_batch.num_computed_tokens_cpu[:num_reqs]
-        point = split_point(query_lens, computed, num_stages)
+        point = split_point(query_lens, computed, num_stages, *thresholds)
         if point is None:
             return result
         _pending.split = point

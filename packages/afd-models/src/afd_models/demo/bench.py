@@ -15,7 +15,9 @@ One run measures, on this host:
 * unless :attr:`BenchConfig.stages` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
   ``num_stages=2`` at each batch size of at least 2 (a one-request step runs one stage), against
   the one-stage ``afd 1:1`` row: the share of the transfer hidden is
-  ``(TPOT_1 - TPOT_2) / (L x raw round trip)`` (target on a 2-core host: >= 50 % at batch 16);
+  ``(TPOT_1 - TPOT_2) / (L x raw round trip)`` (target on a 2-core host: >= 50 % at batch 16).
+  The stage deployment sets vLLM's DBO token thresholds to 1 (:data:`SPLIT_EVERY_STEP_ARGS`) so
+  these small batches split at all (serving's defaults keep steps under 32 decode tokens whole);
 * unless :attr:`BenchConfig.quantized` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
   the FFN rank's quantized computes (:data:`QUANTIZED_SETUPS`: Layered on W8A8 experts, Mega on
   W4A8 per-channel experts) at each batch size, against the native fp32 ``afd 1:1`` row and
@@ -60,6 +62,7 @@ from afd_models.demo.servers import (
     parse_ffn_stats,
     parse_quantized,
     plain_server,
+    split_every_step,
     stop_all,
     wait_until_healthy,
 )
@@ -627,7 +630,8 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
-            options=_options(cfg, PLACEMENT_ENV),
+            # Thresholds at 1: measure the split itself at these small batches.
+            options=split_every_step(_options(cfg, PLACEMENT_ENV)),
             num_attention_ranks=1,
             gate_on_attention=False,
             afd_extra={"num_stages": 2},

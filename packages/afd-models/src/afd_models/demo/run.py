@@ -43,6 +43,7 @@ from afd_models.demo.servers import (
     parse_quantized,
     plain_server,
     process_tree_rss,
+    split_every_step,
     stop_all,
     wait_until_healthy,
 )
@@ -477,10 +478,17 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
             f"{cfg.expert_quant_group_size}); each FFN rank measures its first MoE layer against "
             f"fp32 ({REPORT_ERROR_ENV}=1)"
         )
+    afd_options = options
+    if cfg.num_stages > 1:
+        afd_options = split_every_step(options)
+        progress(
+            "two stages: vLLM's DBO token thresholds set to 1 on the AFD servers, so every step "
+            "of two or more requests splits (serving defaults: 32 decode / 512 prefill tokens)"
+        )
     attention, ffns = afd_servers(
         model,
         log_dir=log_dir,
-        options=options,
+        options=afd_options,
         num_attention_ranks=cfg.num_attention_ranks,
         num_ffn_ranks=cfg.num_ffn_ranks,
         gate_on_attention=cfg.gate_on_attention,

@@ -32,7 +32,7 @@ import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Final, Literal
@@ -541,6 +541,24 @@ class EngineOptions:
         if self.max_num_seqs is not None:
             out += ["--max-num-seqs", str(self.max_num_seqs)]
         return [*out, *self.extra_args]
+
+
+#: vLLM engine arguments that put its dual-batch-overlap token thresholds at 1, so a two-stage
+#: (``num_stages=2``) Attention role splits every step of two or more requests. The parity runs
+#: and ``afd bench``'s stage rows use them to exercise the split at small batches; serving keeps
+#: vLLM's defaults (32 decode tokens, 512 otherwise), below which a split costs more than it
+#: hides (see afd-runtime's ``afd_runtime.stages``).
+SPLIT_EVERY_STEP_ARGS: Final[tuple[str, ...]] = (
+    "--dbo-decode-token-threshold",
+    "1",
+    "--dbo-prefill-token-threshold",
+    "1",
+)
+
+
+def split_every_step(options: EngineOptions) -> EngineOptions:
+    """``options`` plus :data:`SPLIT_EVERY_STEP_ARGS`."""
+    return replace(options, extra_args=(*options.extra_args, *SPLIT_EVERY_STEP_ARGS))
 
 
 #: Model types whose vLLM 0.32 CPU path is not batch invariant: the CPU MLA backend gives a
