@@ -28,7 +28,7 @@ from afd_models.demo.bench import (
     setup_name,
     traffic_row,
 )
-from afd_models.demo.servers import FFNStats, QuantReport
+from afd_models.demo.servers import SPLIT_EVERY_STEP_ARGS, FFNStats, QuantReport
 
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_fake_servers import FakeServer
@@ -494,15 +494,15 @@ def test_run_bench_fails_when_a_quantized_ffn_rank_did_not_compute_quantized(
 def test_stage_rows_derive_the_hidden_share_of_the_round_trips() -> None:
     one = [TPOTRow("afd 1:1", 4, 20.0, (20.0,)), TPOTRow("afd 1:1", 16, 30.0, (30.0,))]
     two = [TPOTRow("afd 1:1 stages=2", 4, 19.0, (19.0,)), TPOTRow("afd 1:1 stages=2", 16, 27.0, (27.0,))]
-    rows = bench.stage_rows(one, two, {4: 0.5, 16: 1.0}, 4, 0.75)
-    assert [(r.batch, r.tpot_one_stage_ms, r.tpot_two_stages_ms) for r in rows] == [
-        (4, 20.0, 19.0),
-        (16, 30.0, 27.0),
+    rows = bench.stage_rows(one, two, {4: 0.5, 16: 1.0}, 4, 0.75, "wide")
+    assert [(r.model, r.batch, r.tpot_one_stage_ms, r.tpot_two_stages_ms) for r in rows] == [
+        ("wide", 4, 20.0, 19.0),
+        ("wide", 16, 30.0, 27.0),
     ]
     assert [r.hidden_share for r in rows] == [0.5, 0.75]
     assert all(r.split_steps == 0.75 for r in rows)
     table = bench.render_stages(rows)
-    assert "| 16 | 30.00 | 27.00 | 4.000 | 75 % | 75 % |" in table
+    assert "| wide | 16 | 30.00 | 27.00 | 4.000 | 75 % | 75 % |" in table
 
 
 def test_split_step_share_counts_steps_with_two_computed_stages() -> None:
@@ -533,9 +533,27 @@ def test_run_bench_measures_two_stages_against_one_at_batches_of_two_or_more(
         ffn = FakeServer(f"{kw['prefix']}-ffn", log, events)
         return FakeServer(f"{kw['prefix']}-attention", "", events), (ffn,)
 
-    tpot = {"plain": 10.0, "afd 1:1": 12.0, "afd 1:1 stages=2": 11.0}
-    monkeypatch.setattr(bench, "ensure_tiny_checkpoint", lambda spec, cache: model)
-    monkeypatch.setattr(bench, "raw_round_trip_ms", lambda sizes, hidden: dict.fromkeys(sizes, 0.25))
+    tpot = {
+        "plain": 10.0,
+        "afd 1:1": 12.0,
+        "afd 1:1 stages=2": 11.0,
+        "afd 1:1 wide": 40.0,
+        "afd 1:1 wide stages=2": 36.0,
+    }
+    specs: list[object] = []
+
+    def fake_checkpoint(spec: object, cache: object) -> Path:
+        specs.append(spec)
+        return model
+
+    monkeypatch.setattr(bench, "ensure_tiny_checkpoint", fake_checkpoint)
+    round_trips: list[tuple[tuple[int, ...], int]] = []
+
+    def fake_round_trip(sizes: tuple[int, ...], hidden: int) -> dict[int, float]:
+        round_trips.append((tuple(sizes), hidden))
+        return dict.fromkeys(sizes, 0.25 if len(round_trips) == 1 else 0.5)
+
+    monkeypatch.setattr(bench, "raw_round_trip_ms", fake_round_trip)
     monkeypatch.setattr(
         bench, "plain_server", lambda model, name, **kw: FakeServer(name, "", events)
     )
@@ -550,15 +568,30 @@ def test_run_bench_measures_two_stages_against_one_at_batches_of_two_or_more(
     monkeypatch.setattr(bench, "measure_tpot", fake_measure)
     cfg = BenchConfig(batch_sizes=(1, 4, 16), log_dir=tmp_path / "logs", quantized=False)
     result = bench.run_bench(cfg, progress=lambda _msg: None)
-    staged = [d for d in deployments if d["prefix"] == "bench-1a1f-stages2"]
-    assert len(staged) == 1 and staged[0]["afd_extra"] == {"num_stages": 2}
-    assert not staged[0]["gate_on_attention"] and staged[0]["num_attention_ranks"] == 1
-    assert [m for m in measured if m[0] == "afd 1:1 stages=2"] == [
+    by_prefix = {d["prefix"]: d for d in deployments}
+    for prefix in ("bench-1a1f-stages2", "bench-1a1f-wide-stages2"):
+        staged = by_prefix[prefix]
+        assert staged["afd_extra"] == {"num_stages": 2}
+        assert staged["options"].extra_args[-4:] == SPLIT_EVERY_STEP_ARGS
+    assert by_prefix["bench-1a1f-wide"].get("afd_extra") is None
+    assert [s.width for s in specs] == ["tiny", "wide"]  # type: ignore[attr-defined]
+    assert round_trips == [((1, 4, 16), 64), ((4, 16), 64)]
+    assert [m for m in measured if "stages=2" in m[0] or "wide" in m[0]] == [
         ("afd 1:1 stages=2", 4),
         ("afd 1:1 stages=2", 16),
+        ("afd 1:1 wide", 4),
+        ("afd 1:1 wide", 16),
+        ("afd 1:1 wide stages=2", 4),
+        ("afd 1:1 wide stages=2", 16),
     ]
-    # (12 - 11) / (2 layers x 0.25 ms) = 2.0; 30 calls over 10 steps of 2 layers: half split.
-    assert [(r["batch"], r["hidden_share"], r["split_steps"], r["meets_target"]) for r in result["stages"]] == [
-        (4, 2.0, 0.5, True),
-        (16, 2.0, 0.5, True),
+    # tiny: (12 - 11) / (2 layers x 0.25 ms) = 2.0; wide: (40 - 36) / (2 x 0.5) = 4.0;
+    # 30 calls over 10 steps of 2 layers: half the steps split.
+    assert [
+        (r["model"], r["batch"], r["hidden_share"], r["split_steps"], r["meets_target"])
+        for r in result["stages"]
+    ] == [
+        ("tiny", 4, 2.0, 0.5, True),
+        ("tiny", 16, 2.0, 0.5, True),
+        ("wide", 4, 4.0, 0.5, True),
+        ("wide", 16, 4.0, 0.5, True),
     ]

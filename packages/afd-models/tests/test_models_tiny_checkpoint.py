@@ -210,3 +210,16 @@ def test_deepseek_v3_router_makes_grouping_and_bias_change_expert_choices(
         unbiased = _noaux_tc_topk(logits, None, 4, 2, 2)
         assert (full != ungrouped).any(dim=-1).float().mean() > 0.01, layer
         assert (full != unbiased).any(dim=-1).float().mean() > 0.05, layer
+
+
+def test_wide_qwen3_moe_config_and_refusals() -> None:
+    from afd_models.demo.tiny import WIDE_QWEN3_MOE, TinySpec, model_config, spec_hash
+
+    wide = model_config(TinySpec(width="wide"), 100)
+    assert {k: wide[k] for k in WIDE_QWEN3_MOE} == WIDE_QWEN3_MOE
+    assert wide["num_experts"] == 8 and wide["num_hidden_layers"] == 4
+    assert spec_hash(TinySpec(width="wide")) != spec_hash(TinySpec())
+    with pytest.raises(ValueError, match="width='wide' with family='deepseek_v2'"):
+        TinySpec(family="deepseek_v2", width="wide")
+    with pytest.raises(ValueError, match="TinySpec.width='huge'"):
+        TinySpec(width="huge")  # type: ignore[arg-type]

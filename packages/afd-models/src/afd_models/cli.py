@@ -188,6 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny", help="build a tiny checkpoint and print its directory")
     tiny.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument(
+        "--width",
+        choices=("tiny", "wide"),
+        default="tiny",
+        help="wide: Qwen3-MoE at hidden 1024 (96 MiB of experts per MoE layer)",
+    )
     tiny.add_argument("--cache-dir", type=Path, default=None)
     return parser
 
@@ -385,7 +391,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(parser, ns)
     from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 
-    path = ensure_tiny_checkpoint(TinySpec(family=ns.family, seed=ns.seed), ns.cache_dir)
+    try:
+        spec = TinySpec(family=ns.family, seed=ns.seed, width=ns.width)
+    except ValueError as e:
+        parser.error(f"afd tiny: {e}")
+    path = ensure_tiny_checkpoint(spec, ns.cache_dir)
     print(path)
     return EXIT_OK
 

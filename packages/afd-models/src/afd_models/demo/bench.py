@@ -16,8 +16,10 @@ One run measures, on this host:
   ``num_stages=2`` at each batch size of at least 2 (a one-request step runs one stage), against
   the one-stage ``afd 1:1`` row: the share of the transfer hidden is
   ``(TPOT_1 - TPOT_2) / (L x raw round trip)`` (target on a 2-core host: >= 50 % at batch 16).
-  The stage deployment sets vLLM's DBO token thresholds to 1 (:data:`SPLIT_EVERY_STEP_ARGS`) so
-  these small batches split at all (serving's defaults keep steps under 32 decode tokens whole);
+  The stage deployments set vLLM's DBO token thresholds to 1 (``SPLIT_EVERY_STEP_ARGS``) so these
+  small batches split at all (serving's defaults keep steps under 32 decode tokens whole). The
+  same pair of rows is measured on the *wide* Qwen3-MoE (hidden 1024, 96 MiB of experts per MoE
+  layer: weight-bound like a real model) with its own one-stage row and raw round trip;
 * unless :attr:`BenchConfig.quantized` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
   the FFN rank's quantized computes (:data:`QUANTIZED_SETUPS`: Layered on W8A8 experts, Mega on
   W4A8 per-channel experts) at each batch size, against the native fp32 ``afd 1:1`` row and
@@ -86,6 +88,8 @@ TARGET_RATIO: Final[float] = 1.5
 TARGET_OVERHEAD_RT: Final[float] = 3.0
 #: Two-stage overlap: the share of the MoE-layer round trips hidden at the largest batch.
 TARGET_HIDDEN_SHARE: Final[float] = 0.5
+#: The tiny checkpoint widths the two-stage rows run on (see ``afd_models.demo.tiny.TinySpec``).
+STAGE_WIDTHS: Final[tuple[str, ...]] = ("tiny", "wide")
 
 
 @dataclass(frozen=True)
@@ -192,6 +196,7 @@ class StageRow:
     ``hidden_share`` is ``(tpot_one_stage - tpot_two_stages) / (layers x raw_round_trip)``: the
     part of the step's ``L`` MoE-layer round trips the second stage's attention hid."""
 
+    model: str  # the tiny checkpoint's width: "tiny" or "wide" (see afd_models.demo.tiny)
     batch: int
     tpot_one_stage_ms: float
     tpot_two_stages_ms: float
@@ -501,6 +506,7 @@ def stage_rows(
     round_trip: Mapping[int, float],
     layers: int,
     split_steps: float,
+    model: str = "tiny",
 ) -> list[StageRow]:
     """Each ``num_stages=2`` row against the one-stage row of the same batch size."""
     by_batch = {r.batch: r for r in one}
@@ -510,6 +516,7 @@ def stage_rows(
         rt = round_trip[r.batch]
         out.append(
             StageRow(
+                model,
                 r.batch,
                 base.tpot_ms,
                 r.tpot_ms,
@@ -525,13 +532,13 @@ def stage_rows(
 def render_stages(rows: Sequence[StageRow]) -> str:
     """The two-stage table (markdown)."""
     head = (
-        "| batch | TPOT 1 stage (ms) | TPOT 2 stages (ms) | L x raw round trip (ms) | "
+        "| model | batch | TPOT 1 stage (ms) | TPOT 2 stages (ms) | L x raw round trip (ms) | "
         "transfer hidden | split steps |"
     )
-    lines = [head, "|" + "---|" * 6]
+    lines = [head, "|" + "---|" * 7]
     for r in rows:
         lines.append(
-            f"| {r.batch} | {r.tpot_one_stage_ms:.2f} | {r.tpot_two_stages_ms:.2f} | "
+            f"| {r.model} | {r.batch} | {r.tpot_one_stage_ms:.2f} | {r.tpot_two_stages_ms:.2f} | "
             f"{r.layers * r.raw_round_trip_ms:.3f} | {100 * r.hidden_share:.0f} % | "
             f"{100 * r.split_steps:.0f} % |"
         )
@@ -620,28 +627,49 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         )
         afd_rows += _run_setup([attention, *ffns], attention, batches, cfg, setup)
 
-    # Two-stage overlap at 1:1 (gate on FFN), against the one-stage afd 1:1 rows above.
+    # Two-stage overlap at 1:1 (gate on FFN), against one stage: the tiny model (its one-stage
+    # rows are the afd 1:1 rows above) and the wide one (both measured here).
     stages: list[StageRow] = []
     stage_tpot: list[TPOTRow] = []
     stage_batches = tuple(b for b in cfg.batch_sizes if b >= 2)
-    if cfg.stages and stage_batches:
-        setup = f"{setup_name(1, 1, gate_on_attention=False)} stages=2"
-        progress(setup)
+    for width in STAGE_WIDTHS if cfg.stages and stage_batches else ():
+        stage_model, rt = model, round_trip
+        one_setup = setup_name(1, 1, gate_on_attention=False)
+        if width != "tiny":
+            stage_model = ensure_tiny_checkpoint(TinySpec("qwen3_moe", width=width), cfg.cache_dir)
+            wide_hidden = int(json.loads((stage_model / "config.json").read_text())["hidden_size"])
+            progress(f"raw gloo round trip, hidden={wide_hidden}")
+            rt = raw_round_trip_ms(stage_batches, wide_hidden)
+            one_setup = f"{one_setup} {width}"
+            progress(one_setup)
+            attention, ffns = afd_servers(
+                stage_model,
+                log_dir=log_dir,
+                options=_options(cfg, PLACEMENT_ENV),
+                num_attention_ranks=1,
+                gate_on_attention=False,
+                prefix=f"bench-1a1f-{width}",
+                progress=progress,
+            )
+            stage_tpot += _run_setup([attention, *ffns], attention, stage_batches, cfg, one_setup)
+        two_setup = f"{one_setup} stages=2"
+        progress(two_setup)
         attention, ffns = afd_servers(
-            model,
+            stage_model,
             log_dir=log_dir,
             # Thresholds at 1: measure the split itself at these small batches.
             options=split_every_step(_options(cfg, PLACEMENT_ENV)),
             num_attention_ranks=1,
             gate_on_attention=False,
             afd_extra={"num_stages": 2},
-            prefix="bench-1a1f-stages2",
+            prefix="bench-1a1f-stages2" if width == "tiny" else f"bench-1a1f-{width}-stages2",
             progress=progress,
         )
-        stage_tpot = _run_setup([attention, *ffns], attention, stage_batches, cfg, setup)
+        two = _run_setup([attention, *ffns], attention, stage_batches, cfg, two_setup)
+        stage_tpot += two
         split = split_step_share(parse_ffn_stats(ffns[0].log_text()).get(0))
-        one_stage = [r for r in afd_rows if r.setup == setup_name(1, 1, gate_on_attention=False)]
-        stages = stage_rows(one_stage, stage_tpot, round_trip, layers, split)
+        one = [r for r in (*afd_rows, *stage_tpot) if r.setup == one_setup]
+        stages += stage_rows(one, two, rt, layers, split, width)
 
     # Quantized FFN computes at 1:1 (gate on FFN), against the native afd 1:1 rows above.
     quantized: list[QuantizedRow] = []

@@ -35,9 +35,23 @@ import torch
 
 TinyFamily = Literal["qwen3_moe", "deepseek_v2", "deepseek_v3"]
 TinyDType = Literal["float32", "bfloat16"]
+TinyWidth = Literal["tiny", "wide"]
 
 FAMILIES: Final[tuple[str, ...]] = get_args(TinyFamily)
 DTYPES: Final[tuple[str, ...]] = get_args(TinyDType)
+WIDTHS: Final[tuple[str, ...]] = get_args(TinyWidth)
+#: ``width="wide"`` (Qwen3-MoE only): hidden 1024, 16 query heads of 64 over 4 KV heads, experts
+#: of 1024: 96 MiB of float32 routed experts per MoE layer, so a decode step's FFN work is bound by
+#: reading expert weights as a real model's is (the tiny width is bound by per-call overhead).
+#: ``afd bench``'s two-stage rows measure both.
+WIDE_QWEN3_MOE: Final[dict[str, int]] = {
+    "hidden_size": 1024,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "head_dim": 64,
+    "intermediate_size": 2048,
+    "moe_intermediate_size": 1024,
+}
 
 #: Bump when anything that changes the produced bytes changes (layout, init, corpus handling).
 GENERATOR_VERSION: Final[int] = 1
@@ -97,6 +111,7 @@ class TinySpec:
     family: TinyFamily = "qwen3_moe"
     seed: int = 0
     dtype: TinyDType = "float32"
+    width: TinyWidth = "tiny"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -105,6 +120,13 @@ class TinySpec:
             raise ValueError(f"TinySpec.seed={self.seed!r} must be a non-negative int")
         if self.dtype not in DTYPES:
             raise ValueError(f"TinySpec.dtype={self.dtype!r} is not one of {DTYPES}")
+        if self.width not in WIDTHS:
+            raise ValueError(f"TinySpec.width={self.width!r} is not one of {WIDTHS}")
+        if self.width != "tiny" and self.family != "qwen3_moe":
+            raise ValueError(
+                f"TinySpec.width={self.width!r} with family={self.family!r}; allowed: 'tiny' "
+                "(the wide checkpoint is a Qwen3-MoE)"
+            )
 
 
 def model_config(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
@@ -131,6 +153,7 @@ def model_config(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
         "num_experts_per_tok": 2,
     }
     if spec.family == "qwen3_moe":
+        wide = WIDE_QWEN3_MOE if spec.width == "wide" else {}
         return {
             **common,
             "architectures": ["Qwen3MoeForCausalLM"],
@@ -148,6 +171,7 @@ def model_config(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
             "use_sliding_window": False,
             "output_router_logits": False,
             "router_aux_loss_coef": 0.001,
+            **wide,
         }
     if spec.family == "deepseek_v3":
         return _deepseek_v3_config(common)
@@ -398,7 +422,8 @@ def spec_hash(spec: TinySpec) -> str:
     """Content hash of everything that shapes the files (hex, 16 chars)."""
     payload = {
         "generator_version": GENERATOR_VERSION,
-        "spec": {"family": spec.family, "seed": spec.seed, "dtype": spec.dtype},
+        "spec": {"family": spec.family, "seed": spec.seed, "dtype": spec.dtype}
+        | ({"width": spec.width} if spec.width != "tiny" else {}),
         "config": model_config(spec, 0),
         "corpus": list(CORPUS),
         "special_tokens": list(SPECIAL_TOKENS),
@@ -437,7 +462,8 @@ def ensure_tiny_checkpoint(spec: TinySpec | None = None, cache_dir: Path | None 
     """
     spec = spec or TinySpec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    target = root / f"{spec.family}-s{spec.seed}-{spec.dtype}-{spec_hash(spec)}"
+    width = "" if spec.width == "tiny" else f"-{spec.width}"
+    target = root / f"{spec.family}{width}-s{spec.seed}-{spec.dtype}-{spec_hash(spec)}"
     if (target / "config.json").is_file():
         return target
     root.mkdir(parents=True, exist_ok=True)
