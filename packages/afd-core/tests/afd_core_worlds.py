@@ -215,6 +215,16 @@ def handshake_and_validation_rank(rank: int, port: int) -> dict[str, Any]:
         out["gate"] = _err(err)
     conn.close()
 
+    # 2b. the number of stages (config agreement) differs.
+    cfg_stages = _config(role, port, 1, 1, timeout_s=15.0, num_stages=2 if rank == 0 else 1)
+    conn = P2PConnector(cfg_stages, topo, role_rank, payload_spec=spec, num_layers=2)
+    try:
+        conn.init()
+        out["stages"] = None
+    except AFDError as err:
+        out["stages"] = _err(err)
+    conn.close()
+
     # 3. payload spec (router logits width) and layer count differ on the FFN side.
     spec3 = AFDPayloadSpec(
         hidden_size=16, dtype=torch.float32, router_logits_width=8 if rank == 0 else 4

@@ -38,7 +38,9 @@ def test_plan_keeps_one_request_or_one_stage_whole(query_lens: list[int], stages
     ("query_lens", "stages", "field"),
     [([1, 1], 3, "num_stages"), ([1, 1], True, "num_stages"), ([1, 0], 2, "query_lens")],
 )
-def test_plan_rejects_bad_input_naming_it(query_lens: list[int], stages: object, field: str) -> None:
+def test_plan_rejects_bad_input_naming_it(
+    query_lens: list[int], stages: object, field: str
+) -> None:
     with pytest.raises(ValueError, match=field):
         plan_stages(query_lens, stages)  # type: ignore[arg-type]
 
@@ -183,7 +185,9 @@ def test_a_stage_holding_the_turn_past_the_timeout_fails_the_run() -> None:
         dbo_yield()
 
     start = time.monotonic()
-    with pytest.raises(AFDTimeoutError, match="stage 1 waited 0.3s for its turn; stage 0 kept it"):
+    with pytest.raises(
+        AFDTimeoutError, match=r"stage 1 waited 0\.3s for its turn; stage 0 kept it"
+    ):
         run_overlapped([hog, waiter], timeout_s=0.3)
     release.set()
     assert time.monotonic() - start < 4

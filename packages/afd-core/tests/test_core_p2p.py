@@ -129,6 +129,7 @@ def test_handshake_mismatch_validation_and_reinit() -> None:
         for key, field in (
             ("hidden", "hidden_size"),
             ("gate", "config.compute_gate_on_attention"),
+            ("stages", "config.num_stages"),
             ("spec", "payload_spec.router_logits"),
         ):
             assert out[key]["type"] == "AFDHandshakeError", (rank, key, out[key])

@@ -493,7 +493,10 @@ def test_run_bench_fails_when_a_quantized_ffn_rank_did_not_compute_quantized(
 
 def test_stage_rows_derive_the_hidden_share_of_the_round_trips() -> None:
     one = [TPOTRow("afd 1:1", 4, 20.0, (20.0,)), TPOTRow("afd 1:1", 16, 30.0, (30.0,))]
-    two = [TPOTRow("afd 1:1 stages=2", 4, 19.0, (19.0,)), TPOTRow("afd 1:1 stages=2", 16, 27.0, (27.0,))]
+    two = [
+        TPOTRow("afd 1:1 stages=2", 4, 19.0, (19.0,)),
+        TPOTRow("afd 1:1 stages=2", 16, 27.0, (27.0,)),
+    ]
     rows = bench.stage_rows(one, two, {4: 0.5, 16: 1.0}, 4, 0.75, "wide")
     assert [(r.model, r.batch, r.tpot_one_stage_ms, r.tpot_two_stages_ms) for r in rows] == [
         ("wide", 4, 20.0, 19.0),

@@ -221,5 +221,5 @@ def test_wide_qwen3_moe_config_and_refusals() -> None:
     assert spec_hash(TinySpec(width="wide")) != spec_hash(TinySpec())
     with pytest.raises(ValueError, match="width='wide' with family='deepseek_v2'"):
         TinySpec(family="deepseek_v2", width="wide")
-    with pytest.raises(ValueError, match="TinySpec.width='huge'"):
+    with pytest.raises(ValueError, match=r"TinySpec\.width='huge'"):
         TinySpec(width="huge")  # type: ignore[arg-type]

@@ -21,12 +21,11 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
+from afd_core.forward_context import AFDForwardMetadata, dbo_yield, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 from afd_core.overlap import run_overlapped
 from afd_core.p2p import P2PConnector
 from afd_core.topology import AFDTopology
-from afd_core.forward_context import dbo_yield
 from afd_remote import AFDAttentionFusedMoE
 
 HIDDEN = 8
@@ -83,7 +82,9 @@ def _attention(conn: P2PConnector, topo: AFDTopology, arank: int) -> dict[str, A
     return {"problems": problems, "counts": counts}
 
 
-def _expected(topo: AFDTopology, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def _expected(
+    topo: AFDTopology, hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
     emap = topo.expert_map(EXPERTS)
     expected = torch.zeros_like(hidden)
     for f in range(topo.num_ffn_ranks):

@@ -258,7 +258,9 @@ def test_ffn_service_refuses_a_step_with_another_stage_count(
 
     cfg = AFDConfig.from_mapping({"role": "ffn", "connector": NAME, "num_stages": 2})
     recording.script = [AFDControlMessage(((5,),))]
-    svc = FFNService(cfg, 0, (1,), lambda l, h, g: h, lambda: build_connector(cfg, 0, SPEC, (1,), "cpu"))
+    svc = FFNService(
+        cfg, 0, (1,), lambda _layer, h, _g: h, lambda: build_connector(cfg, 0, SPEC, (1,), "cpu")
+    )
     svc.start()
     assert svc.wait(10)
     with pytest.raises(FFNServiceError) as info:

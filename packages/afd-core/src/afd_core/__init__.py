@@ -70,6 +70,7 @@ __all__ = [
     "AFDGroupInfo",
     "AFDHandshakeError",
     "AFDNotInitializedError",
+    "AFDOverlapError",
     "AFDPayload",
     "AFDPayloadError",
     "AFDPayloadSpec",

@@ -201,7 +201,9 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         handle = connector.send_dispatch(payloads, metadata)
         companions = []
         for stage in self._empty_stages(stage_idx):
-            empty = AFDPayload(hidden_states=hidden_states[:0], topk_ids=ids[:0], topk_weights=weights[:0])
+            empty = AFDPayload(
+                hidden_states=hidden_states[:0], topk_ids=ids[:0], topk_weights=weights[:0]
+            )
             zero = AFDTransferMetadata(
                 layer_idx=self.layer_idx, stage_idx=stage, num_tokens=(0,) * plan.num_ffn_ranks
             )

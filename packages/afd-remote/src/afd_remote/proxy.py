@@ -206,7 +206,9 @@ class RemoteFFNProxy(torch.nn.Module):
         handles = []
         for stage in self._empty_stages(stage_idx):
             empty = {k: v[:0] for k, v in local.items()}
-            metadata = AFDTransferMetadata(layer_idx=self.layer_idx, stage_idx=stage, num_tokens=(0,))
+            metadata = AFDTransferMetadata(
+                layer_idx=self.layer_idx, stage_idx=stage, num_tokens=(0,)
+            )
             payload = AFDPayload(
                 hidden_states=empty["hidden_states"],
                 router_logits=empty.get("router_logits"),

@@ -244,7 +244,9 @@ def _slice_inputs(kwargs: dict[str, Any], token_slice: slice) -> dict[str, Any]:
             out[name] = out[name][token_slice]
     positions = out.get("positions")
     if positions is not None:
-        out["positions"] = positions[:, token_slice] if positions.ndim == 2 else positions[token_slice]
+        out["positions"] = (
+            positions[:, token_slice] if positions.ndim == 2 else positions[token_slice]
+        )
     if out.get("intermediate_tensors") is not None:
         out["intermediate_tensors"] = out["intermediate_tensors"][token_slice]
     return out

@@ -172,9 +172,7 @@ def install_step_hook(
             counts = (n, *empty_tail)
             if announce:
                 connector.send_control(AFDControlMessage(tuple((c,) for c in counts)))
-            meta = AFDForwardMetadata(
-                connector=connector, num_stages=num_stages, num_tokens=counts
-            )
+            meta = AFDForwardMetadata(connector=connector, num_stages=num_stages, num_tokens=counts)
             with set_afd_forward_metadata(meta):
                 return inner(*args, **kwargs)
 
