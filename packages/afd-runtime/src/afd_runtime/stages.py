@@ -17,6 +17,8 @@ Which steps split follows vLLM's own dual-batch-overlap rules:
   below it a second stage costs more (a second pass of every layer's kernel launches and two
   thread switches per layer) than the round trips it can hide (measured: ``afd bench``'s stage
   rows in afd-models' README);
+* a step vLLM does not let micro-batch (``allow_microbatching`` false) or runs as a full CUDA
+  graph stays whole (the graph was captured for the whole batch);
 * a request that reads KV it did not write in an earlier step (``query_len > 1`` with computed
   tokens: a prefix-cache hit, a chunked-prefill continuation or a speculative step) keeps the
   step whole, so no reader can run before the writer of the blocks it reads (vLLM vetoes such
@@ -101,6 +103,11 @@ def install_stage_split(runner: Any, num_stages: int) -> None:
         result = determine(*args, **kwargs)
         _pending.split = None
         if not getattr(_pending, "real_step", False) or "num_reqs" not in kwargs:
+            return result
+        mode = getattr(result[0], "name", str(result[0]))
+        if not kwargs.get("allow_microbatching", True) or mode not in ("NONE", "PIECEWISE"):
+            # vLLM vetoed micro-batching this step, or it replays a full CUDA graph captured for
+            # the whole batch: keep it whole.
             return result
         num_reqs = int(kwargs["num_reqs"])
         query_lens = kwargs["num_scheduled_tokens_np"][:num_reqs]
