@@ -68,7 +68,7 @@ from afd_models.demo.servers import (
     stop_all,
     wait_until_healthy,
 )
-from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, TinyWidth, ensure_tiny_checkpoint
 
 Progress = Callable[[str], None]
 
@@ -89,7 +89,7 @@ TARGET_OVERHEAD_RT: Final[float] = 3.0
 #: Two-stage overlap: the share of the MoE-layer round trips hidden at the largest batch.
 TARGET_HIDDEN_SHARE: Final[float] = 0.5
 #: The tiny checkpoint widths the two-stage rows run on (see ``afd_models.demo.tiny.TinySpec``).
-STAGE_WIDTHS: Final[tuple[str, ...]] = ("tiny", "wide")
+STAGE_WIDTHS: Final[tuple[TinyWidth, ...]] = ("tiny", "wide")
 
 
 @dataclass(frozen=True)
