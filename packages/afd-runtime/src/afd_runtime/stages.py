@@ -36,7 +36,6 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from afd_core.connector import AFDConnectorBase
 from afd_core.forward_context import AFD_FORWARD_CONTEXT_KEY, AFDForwardMetadata
@@ -65,15 +64,15 @@ def split_point(
     it did not write in an earlier step (see the module docstring)."""
     if num_stages < 2:
         return None
-    q = np.asarray(query_lens, dtype=np.int64)
-    c = np.asarray(computed, dtype=np.int64)
-    threshold = decode_threshold if bool((q == 1).all()) else prefill_threshold
-    if int(q.sum()) < threshold or bool(((q > 1) & (c > 0)).any()):
+    q = [int(n) for n in query_lens]
+    c = [int(n) for n in computed]
+    threshold = decode_threshold if all(n == 1 for n in q) else prefill_threshold
+    if sum(q) < threshold or any(n > 1 and done > 0 for n, done in zip(q, c, strict=True)):
         return None
-    plan = plan_stages([int(n) for n in q], num_stages)
+    plan = plan_stages(q, num_stages)
     if plan is None:
         return None
-    return int(q[: plan[0]].sum())
+    return sum(q[: plan[0]])
 
 
 def install_stage_split(runner: Any, num_stages: int) -> None:
