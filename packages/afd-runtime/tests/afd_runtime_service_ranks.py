@@ -96,7 +96,7 @@ def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: 
     q.put(
         (
             "ffn",
-            (stats.steps, stats.compute_calls, stats.tokens, svc.deployments),
+            (stats.steps, stats.compute_calls, stats.tokens, svc.deployments, svc.refusals),
             None if err is None else f"{type(err).__name__}: {err}",
         )
     )

@@ -322,3 +322,27 @@ def test_select_afd_worker_applies_the_kv_budget_on_cpu_only() -> None:
     expected = int(patches.host_memory_bytes() * patches.CPU_KV_SHARE)
     assert on_cpu.cache_config.kv_cache_memory_bytes == expected
     assert 0 < expected < patches.host_memory_bytes() // 2
+
+
+def test_engine_failures_report_cores_that_died_of_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import signal as sig
+
+    monkeypatch.setattr(patches, "_engine_processes", [])
+    procs = [
+        SimpleNamespace(name="EngineCore_DP0", pid=11, exitcode=None),  # still running
+        SimpleNamespace(name="EngineCore_DP1", pid=12, exitcode=0),  # clean stop
+        SimpleNamespace(name="EngineCore_DP2", pid=13, exitcode=-sig.SIGTERM),  # asked to stop
+    ]
+    client = SimpleNamespace(
+        resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=procs))
+    )
+    assert patches.record_engine_processes(client) == 3
+    assert patches.engine_failures() == []
+    procs[0].exitcode = 1  # the FFN service loop raised: EngineCore exits 1
+    assert patches.engine_failures() == ["EngineCore_DP0 (pid 11) exited with code 1"]
+    procs[1].exitcode = -sig.SIGILL  # a native crash is a failure too
+    assert len(patches.engine_failures()) == 2
+    # A client whose engines are not local processes records nothing.
+    assert patches.record_engine_processes(SimpleNamespace(resources=SimpleNamespace())) == 0

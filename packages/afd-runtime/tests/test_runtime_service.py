@@ -19,8 +19,11 @@ import afd_runtime_service_ranks as ranks
 
 
 def _run(
-    num_attention: int, mode: str, expected_steps: int, sessions: int = 1
+    num_attention: int, mode: str | tuple[str, ...], expected_steps: int, sessions: int = 1
 ) -> dict[str, tuple[Any, Any]]:
+    """One FFN rank and ``sessions`` Attention deployments one after the other; ``mode`` is
+    every deployment's, or one per deployment."""
+    modes = (mode,) * sessions if isinstance(mode, str) else mode
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
@@ -33,7 +36,7 @@ def _run(
             procs = [
                 ctx.Process(
                     target=ranks.attention_main,
-                    args=(port, r, num_attention, mode, q, barrier, f"s{s}" if s else ""),
+                    args=(port, r, num_attention, modes[s], q, barrier, f"s{s}" if s else ""),
                 )
                 for r in range(num_attention)
             ]
@@ -58,7 +61,7 @@ def test_service_batches_two_attention_ranks_per_layer() -> None:
     assert out["attention1"] == (True, None)
     # 3 steps, 2 layers: one compute call per layer per step over both ranks' tokens.
     tokens = sum(2 * n + 1 for n in ranks.STEPS) * len(ranks.LAYERS)
-    assert out["ffn"] == ((3, 3 * len(ranks.LAYERS), tokens, 1), None)
+    assert out["ffn"] == ((3, 3 * len(ranks.LAYERS), tokens, 1, 0), None)
     # Every call ran inside its step's scope, entered once per step with the step's batch.
     steps = [(2 * n + 1, len(ranks.LAYERS)) for n in ranks.STEPS]
     assert out["ffn-steps"] == (steps, 0)
@@ -82,20 +85,25 @@ def test_ffn_outlives_an_attention_restart() -> None:
     out = _run(1, "ok", expected_steps=6, sessions=2)
     assert out["attention0"] == (True, None)
     assert out["attention0s1"] == (True, None)
-    steps, _calls, _tokens, deployments = out["ffn"][0]
+    steps, _calls, _tokens, deployments, _refusals = out["ffn"][0]
     assert (steps, deployments) == (6, 2)
     assert out["ffn"][1] is None
 
 
 @pytest.mark.timeout(240)
-def test_config_disagreement_is_refused_on_both_sides() -> None:
-    out = _run(1, "disagree", expected_steps=99)
+def test_a_disagreeing_attention_is_refused_and_the_ffn_serves_the_next() -> None:
+    """The Attention deployment that disagrees fails naming the field; the FFN refuses it
+    without failing and then serves a matching deployment (issue #31 item 6)."""
+    out = _run(1, ("disagree", "ok"), expected_steps=3, sessions=2)
     ok, err = out["attention0"]
     assert ok is False
-    assert err is not None and "compute_gate_on_attention" in err
-    _stats, ffn_err = out["ffn"]
-    assert ffn_err is not None and ffn_err.startswith("AFDHandshakeError")
-    assert "compute_gate_on_attention" in ffn_err
+    assert err is not None and err.startswith("AFDHandshakeError")
+    assert "compute_gate_on_attention" in err
+    assert out["attention0s1"] == (True, None)
+    steps, _calls, _tokens, deployments, refusals = out["ffn"][0]
+    assert (steps, deployments) == (3, 1)
+    assert refusals >= 1
+    assert out["ffn"][1] is None  # no service error: the FFN did not fail
 
 
 def test_service_rejects_empty_layers() -> None:
