@@ -35,12 +35,12 @@ def test_worker_selection_per_platform(platform_worker: str) -> None:
 
 
 def test_worker_selection_errors_name_the_field() -> None:
-    with pytest.raises(ValueError, match=r"parallel_config\.worker_cls='my\.Worker'"):
+    with pytest.raises(AFDConfigError, match=r"'parallel_config\.worker_cls': got 'my\.Worker'"):
         afd_worker_qualname("attention", "my.Worker")
-    with pytest.raises(ValueError, match=r"afd\.role='both'"):
+    with pytest.raises(AFDConfigError, match=r"'role': got 'both'"):
         afd_worker_qualname("both", CPU)
     # The attention worker is not a valid FFN worker.
-    with pytest.raises(ValueError, match="worker_cls"):
+    with pytest.raises(AFDConfigError, match="worker_cls"):
         afd_worker_qualname("ffn", AFD_WORKERS[CPU][0])
 
 
@@ -161,7 +161,7 @@ def test_vllm_cli_malformed_additional_config_fails_in_the_patch() -> None:
 
 
 def test_select_afd_worker_rejects_class_objects() -> None:
-    with pytest.raises(ValueError, match="worker_cls"):
+    with pytest.raises(AFDConfigError, match="worker_cls"):
         patches.select_afd_worker(_vllm_config({"role": "ffn", "port": 1}, worker=object))
 
 

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 from afd_core.config import AFDConfig
+from afd_core.errors import AFDModelError
 from afd_core.testing import free_port
 from afd_runtime.ffn_service import FFNService
 
@@ -108,7 +109,7 @@ def test_a_disagreeing_attention_is_refused_and_the_ffn_serves_the_next() -> Non
 
 def test_service_rejects_empty_layers() -> None:
     cfg = AFDConfig.from_mapping({"role": "ffn"})
-    with pytest.raises(ValueError, match="layer_indices"):
+    with pytest.raises(AFDModelError, match="'layer_indices': got \\[\\]"):
         FFNService(cfg, 0, (), ranks.compute, lambda: ranks.connector(cfg, 0))
 
 

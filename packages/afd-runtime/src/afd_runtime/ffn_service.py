@@ -62,7 +62,9 @@ from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnectorBase
 from afd_core.errors import (
     AFDCancelledError,
+    AFDError,
     AFDHandshakeError,
+    AFDModelError,
     AFDPeerError,
     AFDProtocolError,
     AFDTimeoutError,
@@ -90,7 +92,7 @@ STATS_FORMAT = (
 ConnectorFactory = Callable[[], AFDConnectorBase]
 
 
-class FFNServiceError(RuntimeError):
+class FFNServiceError(AFDError):
     """The FFN service loop failed; ``__cause__`` holds the original error."""
 
 
@@ -160,7 +162,9 @@ class FFNService:
         connector_factory: ConnectorFactory,
     ) -> None:
         if not layer_indices:
-            raise ValueError("layer_indices is empty; allowed: at least one MoE layer index")
+            raise AFDModelError(
+                "layer_indices", list(layer_indices), "at least one MoE layer index"
+            )
         self.config = config
         self.ffn_rank = ffn_rank
         topology = AFDTopology.from_config(config)

@@ -213,8 +213,8 @@ def select_afd_worker(
     deployment_secret(cfg.host)
     current = pc.worker_cls
     if not isinstance(current, str):
-        raise ValueError(
-            f"parallel_config.worker_cls must be a qualname string for AFD (got {type(current)})"
+        raise AFDConfigError(
+            "parallel_config.worker_cls", type(current).__qualname__, "a worker qualname string"
         )
     pc.worker_cls = afd_worker_qualname(cfg.role.value, current)
     if cfg.role is AFDRole.FFN:
