@@ -6,7 +6,7 @@ from collections.abc import Iterator, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-import afd_core.connector as connector_mod
+import afd_core.connector.factory as connector_mod
 import pytest
 import torch
 from afd_core.config import AFDConfig, AFDConfigError, AFDRole
@@ -20,9 +20,9 @@ from afd_core.connector import (
     register_connector,
     unregister_connector,
 )
+from afd_core.connector.p2p import P2PConnector
 from afd_core.errors import AFDConnectorError, AFDRegistryError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.p2p import P2PConnector
 from afd_core.topology import AFDTopology
 
 

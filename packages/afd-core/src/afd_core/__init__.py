@@ -50,7 +50,7 @@ from afd_core.metadata import (
     AFDTransferMetadata,
 )
 from afd_core.overlap import plan_stages, run_overlapped
-from afd_core.startup import StartupCoordinator, cancel_startup
+from afd_core.session.startup import StartupCoordinator, cancel_startup
 from afd_core.topology import AFDTopology
 
 __version__ = _version("afd-core")
