@@ -255,7 +255,7 @@ def test_abort_and_timeout_reach_the_waiting_peer() -> None:
     in_threads(a.init, f.init)
     a.send_control(AFDControlMessage(((1,),)))
     handle = a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(0, 0, (1,)))
-    with pytest.raises(AFDTimeoutError, match="did not complete within 0.5s"):
+    with pytest.raises(AFDTimeoutError, match=r"did not complete within 0\.5s"):
         a.recv_ffn_output(handle)  # the FFN rank never replies
     f.abort("compute", "planted compute error")
     in_threads(a.init, f.init)

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector import AFDConnectorBase, create_connector
 from afd_core.forward_context import AFDForwardMetadata, dbo_yield, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 from afd_core.overlap import run_overlapped
-from afd_core.connector import AFDConnectorBase, create_connector
 from afd_core.topology import AFDTopology
 from afd_remote import AFDAttentionFusedMoE
 

@@ -29,7 +29,7 @@ class _Ctx:
     Barrier = threading.Barrier
 
     @staticmethod
-    def Process(target: Callable[..., Any], args: tuple[Any, ...]) -> threading.Thread:  # noqa: N802
+    def Process(target: Callable[..., Any], args: tuple[Any, ...]) -> threading.Thread:
         return threading.Thread(target=target, args=args, daemon=True)
 
 

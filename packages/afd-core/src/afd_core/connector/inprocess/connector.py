@@ -411,5 +411,3 @@ class InProcessConnector(AFDSessionConnector):
         for dst, part, n in zip(served, parts, counts, strict=True):
             if n:
                 self._put(dst, _REPLY, metadata.stage_idx, part.detach().clone())
-
-
