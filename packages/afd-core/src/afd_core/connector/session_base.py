@@ -206,8 +206,9 @@ class AFDSessionConnector(AFDConnectorBase):
         return lost
 
     def close(self) -> None:
-        """Say goodbye to the peers (a clean leave), release the transport; idempotent."""
-        self._shutdown(goodbye=self._initialized)
+        """Say goodbye to the peers (a clean leave: initialised, no failure recorded), release
+        the transport; idempotent."""
+        self._shutdown(goodbye=self._initialized and self._failure is None)
 
     def _shutdown(self, *, goodbye: bool) -> None:
         session, self._session = self._session, None
