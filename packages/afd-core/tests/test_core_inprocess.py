@@ -279,3 +279,17 @@ def test_ready_hook_failure_reaches_the_peer() -> None:
     ra, rf = in_threads(a.init, f.init)
     assert isinstance(rf, Exception) and "planted bind failure" in str(rf)
     assert isinstance(ra, AFDStartupError) and ra.stage == "ready_hook", ra
+
+
+def test_served_ranks_disagreeing_on_stages_is_a_protocol_error() -> None:
+    port = next(_ports)
+    f = conn("ffn", port, num_attention_ranks=2)
+    atts = [conn("attention", port, r, num_attention_ranks=2) for r in range(2)]
+    in_threads(f.init, *(a.init for a in atts))
+    atts[0].send_control(AFDControlMessage(((1,),)))
+    atts[1].send_control(AFDControlMessage(((1,), (2,))))
+    with pytest.raises(AFDProtocolError, match="disagree on num_stages"):
+        f.recv_control()
+    assert not f.is_initialized
+    for a in atts:
+        a.close()

@@ -40,7 +40,7 @@ from typing import Any, ClassVar
 import torch
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.errors import AFDConfigError, AFDConnectorError
+from afd_core.errors import AFDConfigError, AFDConnectorError, AFDProtocolError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
 from afd_core.topology import AFDTopology
 
@@ -49,6 +49,7 @@ __all__ = [
     "AFDGroupInfo",
     "AFDTransferHandle",
     "ReadyHook",
+    "merge_control_messages",
 ]
 
 
@@ -386,3 +387,32 @@ class AFDConnectorBase(ABC):
     def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
         """FFN side: the step's counts, one entry per served Attention rank per stage."""
         raise AFDConnectorError(f"connector {self.name!r} has no control plane")
+
+
+def merge_control_messages(
+    messages: Sequence[AFDControlMessage], served: Sequence[int]
+) -> AFDControlMessage:
+    """An FFN rank's view of a step: the control messages of its served Attention ranks
+    (``served``: their world ranks, same order; each message of width 1) merged into one, one
+    count per served rank per stage (one served rank: its message itself).
+
+    Raises:
+        AFDProtocolError: the served ranks disagree on the stage count or a flag.
+    """
+    first = messages[0]
+    for src, msg in zip(served[1:], messages[1:], strict=True):
+        for name in ("num_stages", "is_warmup", "is_capture", "shutdown"):
+            if getattr(msg, name) != getattr(first, name):
+                raise AFDProtocolError(
+                    f"served Attention ranks disagree on {name}: world rank "
+                    f"{served[0]} sent {getattr(first, name)!r}, world rank {src} "
+                    f"sent {getattr(msg, name)!r}"
+                )
+    if len(messages) == 1:
+        return first
+    return AFDControlMessage(
+        tuple(tuple(m.stage_token_counts[s][0] for m in messages) for s in range(first.num_stages)),
+        is_warmup=first.is_warmup,
+        is_capture=first.is_capture,
+        shutdown=first.shutdown,
+    )

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector.base import AFDTransferHandle
+from afd_core.connector.base import AFDTransferHandle, merge_control_messages
 from afd_core.connector.session_base import AFDSessionConnector
 from afd_core.errors import (
     AFDConfigError,
@@ -236,27 +236,10 @@ class InProcessConnector(AFDSessionConnector):
             raise AFDConfigError("timeout_s", timeout_s, "None, math.inf or seconds > 0")
         served = self.topology.peers_of(AFDRole.FFN, self.role_rank)
         messages = [self._get(src, _CTL, 0, "recv_control", timeout_s) for src in served]
-        first = messages[0]
-        for src, msg in zip(served[1:], messages[1:], strict=True):
-            for name in ("num_stages", "is_warmup", "is_capture", "shutdown"):
-                if getattr(msg, name) != getattr(first, name):
-                    self._fail(
-                        AFDProtocolError(
-                            f"served Attention ranks disagree on {name}: world rank "
-                            f"{served[0]} sent {getattr(first, name)!r}, world rank {src} "
-                            f"sent {getattr(msg, name)!r}"
-                        ),
-                        "recv_control",
-                        src,
-                    )
-        merged = AFDControlMessage(
-            tuple(
-                tuple(m.stage_token_counts[s][0] for m in messages) for s in range(first.num_stages)
-            ),
-            is_warmup=first.is_warmup,
-            is_capture=first.is_capture,
-            shutdown=first.shutdown,
-        )
+        try:
+            merged = merge_control_messages(messages, served)
+        except AFDProtocolError as mismatch:
+            self._fail(mismatch, "recv_control", None)
         self._control = None if merged.shutdown else merged
         return merged
 

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from afd_core.config import AFDRole
+from afd_core.connector.base import merge_control_messages
 from afd_core.connector.p2p.groups import _LONG_WAIT
 from afd_core.connector.p2p.lifecycle import _P2PLifecycle
 from afd_core.connector.p2p.recv_ahead import _PostedRecv
@@ -57,29 +58,10 @@ class _FFNSide(_P2PLifecycle):
             except AFDProtocolError as err:
                 self._fail(err, f"recv_control from world rank {src}", src)
             messages.append(msg)
-        first = messages[0]
-        for src, msg in zip(self._served[1:], messages[1:], strict=True):
-            for name in ("num_stages", "is_warmup", "is_capture", "shutdown"):
-                if getattr(msg, name) != getattr(first, name):
-                    mismatch = AFDProtocolError(
-                        f"served Attention ranks disagree on {name}: world rank "
-                        f"{self._served[0]} sent {getattr(first, name)!r}, world rank {src} "
-                        f"sent {getattr(msg, name)!r}"
-                    )
-                    self._fail(mismatch, "recv_control", src)
-        merged = (
-            first  # one served rank: its message is already the merged one
-            if len(messages) == 1
-            else AFDControlMessage(
-                tuple(
-                    tuple(m.stage_token_counts[s][0] for m in messages)
-                    for s in range(first.num_stages)
-                ),
-                is_warmup=first.is_warmup,
-                is_capture=first.is_capture,
-                shutdown=first.shutdown,
-            )
-        )
+        try:
+            merged = merge_control_messages(messages, self._served)
+        except AFDProtocolError as mismatch:
+            self._fail(mismatch, "recv_control", None)
         if self._expert_parallel:
             # The dispatch path (afd_core.connector.p2p.expert_parallel) learns each layer's counts from
             # its headers; the request/reply path stays closed (see recv_attn_output).
