@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector.p2p import P2PConnector
 from afd_core.errors import AFDModelError
 from afd_core.metadata import AFDPayloadSpec
-from afd_core.p2p import P2PConnector
-from afd_core.p2p.handshake import _first_difference
+from afd_core.session.handshake import _first_difference
 from afd_runtime.identity import (
     SAMPLE_BYTES,
     SAMPLE_WINDOWS,

@@ -1,22 +1,41 @@
-"""FFN service loop <-> Attention ranks over afd-core's P2P connector (spawned processes)."""
+"""FFN service loop <-> Attention ranks over afd-core's in-process connector (threads of this
+process, no gloo: what is tested is the service, not the transport)."""
 
 from __future__ import annotations
 
+import itertools
+import queue
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDModelError
-from afd_core.testing import free_port
 from afd_runtime.ffn_service import FFNService
 
-# Spawned children import the rank functions by module name (pytest's importlib mode gives this
-# test module a name they cannot import).
 sys.path.insert(0, str(Path(__file__).parent))
 import afd_runtime_service_ranks as ranks
+
+#: In-process worlds are named by host:port; nothing listens there.
+_ports = itertools.count(7300)
+
+
+class _Ctx:
+    """The ``multiprocessing`` context surface the tests use, with threads."""
+
+    Queue = queue.Queue
+    Barrier = threading.Barrier
+
+    @staticmethod
+    def Process(target: Callable[..., Any], args: tuple[Any, ...]) -> threading.Thread:
+        return threading.Thread(target=target, args=args, daemon=True)
+
+
+def free_port() -> int:
+    return next(_ports)
 
 
 def _run(
@@ -25,7 +44,7 @@ def _run(
     """One FFN rank and ``sessions`` Attention deployments one after the other; ``mode`` is
     every deployment's, or one per deployment."""
     modes = (mode,) * sessions if isinstance(mode, str) else mode
-    ctx = mp.get_context("spawn")
+    ctx = _Ctx()
     q = ctx.Queue()
     port = free_port()
     ffn = ctx.Process(target=ranks.ffn_main, args=(port, num_attention, expected_steps, False, q))
@@ -50,8 +69,7 @@ def _run(
             out[name] = (a, b)
         ffn.join(30)
     finally:
-        if ffn.is_alive():
-            ffn.kill()
+        assert not ffn.is_alive(), "the FFN service thread did not end"
     return out
 
 
@@ -117,7 +135,7 @@ def test_service_rejects_empty_layers() -> None:
 def test_expert_parallel_service_two_to_two() -> None:
     """2 Attention : 2 FFN ranks, each FFN rank computing only its experts' share; the combined
     outputs are exact, and a step that routes nothing to FFN rank 1 skips its compute."""
-    ctx = mp.get_context("spawn")
+    ctx = _Ctx()
     q = ctx.Queue()
     port = free_port()
     ffns = [ctx.Process(target=ranks.ep_ffn_main, args=(port, f, q)) for f in range(2)]
@@ -135,8 +153,7 @@ def test_expert_parallel_service_two_to_two() -> None:
     finally:
         for p in (*ffns, *atts):
             p.join(30)
-            if p.is_alive():
-                p.kill()
+            assert not p.is_alive(), "a rank thread did not end"
     for r in range(2):
         ok, counts = out[f"attention{r}"][0]
         assert ok and out[f"attention{r}"][1] is None
@@ -154,9 +171,9 @@ def test_expert_parallel_service_two_to_two() -> None:
 @pytest.mark.timeout(240)
 def test_input_ids_reach_the_ffn_compute_row_aligned() -> None:
     """Token ids (payload field ``input_ids``) travel with the hidden states from two Attention
-    ranks over the P2P connector; the FFN service hands the compute both ranks' ids batched in
+    ranks over the connector; the FFN service hands the compute both ranks' ids batched in
     the same order as their rows (the compute's reply depends on each row's id)."""
-    ctx = mp.get_context("spawn")
+    ctx = _Ctx()
     q = ctx.Queue()
     port = free_port()
     barrier = ctx.Barrier(2)
@@ -173,8 +190,7 @@ def test_input_ids_reach_the_ffn_compute_row_aligned() -> None:
     finally:
         for p in procs:
             p.join(30)
-            if p.is_alive():
-                p.kill()
+            assert not p.is_alive(), "a rank thread did not end"
     steps = len(ranks.STEPS) * len(ranks.LAYERS)
     assert out["attention0"] == (True, steps)
     assert out["attention1"] == (True, steps)

@@ -16,7 +16,7 @@ import pytest
 import torch.multiprocessing as mp
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDCancelledError, AFDConfigError, AFDTimeoutError
-from afd_core.startup import clear_startup_cancel, startup_cancel_reason
+from afd_core.session.startup import clear_startup_cancel, startup_cancel_reason
 from afd_core.testing import free_port
 from afd_runtime.faults import FAULT_ENV, InjectedFaultError, fault_injected, raise_if_injected
 from afd_runtime.signals import cancel_startup_on_signals, cancels_startup

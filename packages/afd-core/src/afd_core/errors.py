@@ -198,7 +198,7 @@ class AFDStartupError(AFDPeerError):
 
 
 class AFDCancelledError(AFDConnectorError):
-    """A startup wait was cancelled on purpose (:func:`afd_core.startup.cancel_startup`, e.g. by
+    """A startup wait was cancelled on purpose (:func:`afd_core.session.startup.cancel_startup`, e.g. by
     the process's SIGTERM handler): the rank is shutting down, not failing.
 
     Attributes:

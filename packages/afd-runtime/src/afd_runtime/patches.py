@@ -57,9 +57,9 @@ import signal
 from collections.abc import Callable
 from typing import Any, Final
 
-from afd_core.access import deployment_secret
 from afd_core.config import AFDConfig, AFDRole, parse_additional_config_json, parse_afd_config
 from afd_core.errors import AFDConfigError
+from afd_core.session.access import deployment_secret
 
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
 from afd_runtime.signals import termination_reaches_main_thread
