@@ -330,6 +330,7 @@ def test_engine_failures_report_cores_that_died_of_an_error(
     import signal as sig
 
     monkeypatch.setattr(patches, "_engine_processes", [])
+    monkeypatch.setattr(patches, "_engine_deaths", [])
     procs = [
         SimpleNamespace(name="EngineCore_DP0", pid=11, exitcode=None),  # still running
         SimpleNamespace(name="EngineCore_DP1", pid=12, exitcode=0),  # clean stop
@@ -339,10 +340,37 @@ def test_engine_failures_report_cores_that_died_of_an_error(
         resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=procs))
     )
     assert patches.record_engine_processes(client) == 3
+    assert patches.record_engine_processes(client) == 0  # idempotent
     assert patches.engine_failures() == []
-    procs[0].exitcode = 1  # the FFN service loop raised: EngineCore exits 1
+    procs[0].exitcode = 1  # the engine core raised: EngineCore exits 1
     assert patches.engine_failures() == ["EngineCore_DP0 (pid 11) exited with code 1"]
     procs[1].exitcode = -sig.SIGILL  # a native crash is a failure too
     assert len(patches.engine_failures()) == 2
-    # A client whose engines are not local processes records nothing.
-    assert patches.record_engine_processes(SimpleNamespace(resources=SimpleNamespace())) == 0
+
+
+def test_engine_failures_record_the_engine_dead_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine core's ENGINE_CORE_DEAD reaches vLLM's ``validate_alive``, which raises; the
+    death is recorded even when the process is then stopped with SIGTERM by vLLM's cleanup."""
+    monkeypatch.setattr(patches, "_engine_processes", [])
+    monkeypatch.setattr(patches, "_engine_deaths", [])
+
+    class DeadError(Exception):
+        pass
+
+    def validate_alive(frames: list[bytes]) -> None:
+        if frames == [b"DEAD"]:
+            raise DeadError
+
+    resources = SimpleNamespace(validate_alive=validate_alive)
+    patches.record_engine_processes(SimpleNamespace(resources=resources))
+    resources.validate_alive([b"output"])
+    assert patches.engine_failures() == []
+    with pytest.raises(DeadError):
+        resources.validate_alive([b"DEAD"])
+    assert patches.engine_failures() == ["an engine core reported a fatal error (DeadError)"]
+    # Installing again does not wrap twice.
+    patches.record_engine_processes(SimpleNamespace(resources=resources))
+    with pytest.raises(DeadError):
+        resources.validate_alive([b"DEAD"])
+    assert len(patches._engine_deaths) == 2
+    assert len(patches.engine_failures()) == 1  # the same text once

@@ -38,8 +38,9 @@
    end it with ``SystemExit(0)`` instead of ``KeyboardInterrupt`` when SIGTERM stopped it
    (the engine cores are stopped by vLLM's own cleanup; their AFD startup wait ends on the
    SIGTERM they get, see :mod:`afd_runtime.signals`). SIGINT keeps vLLM's
-   ``KeyboardInterrupt``. It also records the engine-core processes it started
-   (:func:`record_engine_processes`): vLLM's API server exits with status 0 when its engine
+   ``KeyboardInterrupt``. It also watches the engine cores it started for a fatal error
+   (:func:`record_engine_processes`: wraps ``validate_alive`` on that client's resources object,
+   and keeps the engine-core processes): vLLM's API server exits with status 0 when its engine
    core died, and ``afd serve`` asks :func:`engine_failures` to exit with 1 instead. No AFD:
    unchanged.
 
@@ -312,27 +313,50 @@ def engine_client_init(original: Callable[..., None]) -> Callable[..., None]:
     return __init__
 
 
-#: The engine-core processes of this API server's AFD engine clients (see
-#: :func:`engine_failures`).
+#: The engine-core processes of this API server's AFD engine clients, and the fatal errors they
+#: reported (see :func:`engine_failures`).
 _engine_processes: list[Any] = []
+_engine_deaths: list[str] = []
 
 
 def record_engine_processes(client: Any) -> int:
-    """Remember ``client``'s engine-core processes (vLLM's local process manager); returns how
-    many. Engines vLLM does not start as local processes (Ray) are not recorded."""
-    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
-    procs = list(getattr(manager, "processes", None) or ())
+    """Watch ``client``'s engine cores for a fatal error; returns how many processes it found.
+
+    Two signals, because either can be missed: the engine core's own ``ENGINE_CORE_DEAD``
+    message (vLLM's client checks every output frame with ``resources.validate_alive``; this
+    wraps that method on this client's resources object only, recording the death before vLLM
+    raises ``EngineDeadError``), and the exit codes of the processes vLLM's local process manager
+    started (a native crash sends no message). Engines vLLM does not start as local processes
+    (Ray) are watched through the message only. Idempotent per client."""
+    resources = getattr(client, "resources", None)
+    validate = getattr(resources, "validate_alive", None)
+    if validate is not None and not getattr(validate, _MARK, False):
+
+        def validate_alive(frames: Any) -> None:
+            try:
+                validate(frames)
+            except Exception as err:
+                _engine_deaths.append(
+                    f"an engine core reported a fatal error ({type(err).__name__})"
+                )
+                raise
+
+        setattr(validate_alive, _MARK, True)
+        resources.validate_alive = validate_alive
+    manager = getattr(resources, "engine_manager", None)
+    procs = [p for p in getattr(manager, "processes", None) or () if p not in _engine_processes]
     _engine_processes.extend(procs)
     return len(procs)
 
 
 def engine_failures() -> list[str]:
-    """The recorded AFD engine cores that ended in failure: a non-zero exit code other than
-    SIGTERM's (the stop vLLM's own shutdown asks for), e.g. 1 when the FFN service loop raised.
+    """What ended this API server's AFD engine cores in failure: a fatal error an engine core
+    reported (e.g. the FFN service loop raised), or an engine-core process that exited with a
+    code other than 0 and SIGTERM's (the stop vLLM's own shutdown asks for), e.g. a native crash.
 
     vLLM's API server ends normally (status 0) once its engine core died; ``afd serve`` exits
     with status 1 instead when this list is not empty, so a supervisor sees a failed role."""
-    out = []
+    out = list(dict.fromkeys(_engine_deaths))
     for proc in _engine_processes:
         code = proc.exitcode
         if code is not None and code not in (0, -signal.SIGTERM):
