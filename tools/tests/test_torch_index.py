@@ -127,9 +127,11 @@ def test_lock_resolves_torch_from_a_stand_in_of_pytorchs_cpu_index(tmp_path: Pat
     url, digest = _stand_in_index(tmp_path / "simple", wheel)
     work = tmp_path / "workspace"
     _scratch_workspace(work)
-    override = _env(UV_INDEX=README_OVERRIDE.split("=", 1)[1].replace(
-        "https://download.pytorch.org/whl/cpu", url
-    ))
+    override = _env(
+        UV_INDEX=README_OVERRIDE.split("=", 1)[1].replace(
+            "https://download.pytorch.org/whl/cpu", url
+        )
+    )
     # The committed lock names the local folder, so the override makes it stale ...
     stale = subprocess.run(
         [_uv(), "lock", "--check", "--offline"], cwd=work, env=override, capture_output=True
@@ -143,6 +145,7 @@ def test_lock_resolves_torch_from_a_stand_in_of_pytorchs_cpu_index(tmp_path: Pat
     assert torch["source"] == {"registry": str(tmp_path / "simple")}
     (entry,) = torch["wheels"]
     assert entry["hash"] == f"sha256:{digest}"
+
     # Nothing but torch's origin moved: every other package keeps its locked versions.
     def versions(lock: dict[str, Any]) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}

@@ -117,3 +117,64 @@ def support_matrix() -> tuple[list[str], list[MatrixRow]]:
     for row in rows:
         assert len(row) == len(header), f"support matrix row has {len(row)} cells: {row}"
     return list(header), [MatrixRow(r) for r in rows]
+
+
+#: PyTorch's CPU index, as the README's quick start names it.
+PYTORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def stand_in_torch_index(root: Path) -> str:
+    """A PEP 503 simple index under ``root`` serving the torch wheel the committed lock names
+    (PyTorch's CPU index cannot be reached from the build machine); its ``file://`` URL.
+
+    Raises ``FileNotFoundError`` when that wheel is not on this machine."""
+    import hashlib
+    import os
+    import tomllib
+
+    lock = tomllib.loads((ROOT / "uv.lock").read_text())
+    (torch,) = [p for p in lock["package"] if p["name"] == "torch"]
+    (entry,) = torch["wheels"]
+    wheel = Path(entry["path"])
+    if not wheel.is_file():
+        raise FileNotFoundError(wheel)
+    digest = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    project = root / "torch"
+    project.mkdir(parents=True)
+    os.symlink(wheel, project / wheel.name)
+    href = wheel.name.replace("+", "%2B")
+    (root / "index.html").write_text('<html><body><a href="torch/">torch</a></body></html>\n')
+    (project / "index.html").write_text(
+        f'<html><body><a href="{href}#sha256={digest}">{wheel.name}</a></body></html>\n'
+    )
+    return root.as_uri()
+
+
+def copy_checkout(dest: Path) -> None:
+    """The repository's files as a fresh clone has them (tracked and untracked-but-not-ignored
+    files when git is there; else the tree without build outputs and environments)."""
+    import shutil
+    import subprocess
+
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+            cwd=ROOT,
+            capture_output=True,
+            check=True,
+            timeout=60,
+        ).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        shutil.copytree(
+            ROOT,
+            dest,
+            ignore=shutil.ignore_patterns(
+                ".git", ".venv", ".nox", "dist", "__pycache__", "*.egg-info", "afd-*-logs"
+            ),
+        )
+        return
+    for rel in filter(None, listed.split("\0")):
+        src = ROOT / rel
+        if src.is_file():
+            (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / rel)

@@ -27,9 +27,9 @@ from afd_models_readme import (
     ROOT,
     afd_argv,
     blocks,
+    marked_block,
     shell_commands,
     support_matrix,
-    marked_block,
 )
 
 TESTS = Path(__file__).resolve().parent
@@ -88,7 +88,7 @@ def test_a_broken_serve_block_would_be_caught() -> None:
     from afd_core.errors import AFDConfigError
     from afd_models.vllm_cli import check_serve_args
 
-    bad = "afd serve CKPT --additional-config '{\"afd\": {\"role\": \"fnn\", \"port\": 29700}}'"
+    bad = 'afd serve CKPT --additional-config \'{"afd": {"role": "fnn", "port": 29700}}\''
     with pytest.raises(AFDConfigError, match="role"):
         check_serve_args(afd_argv(bad))
 
