@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import socket
 import sys
 import types
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnectorBase, AFDTransferHandle
+from afd_core.testing import free_port
 
 _VISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
 _PIL_MODULE = "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl"
@@ -54,12 +54,6 @@ def import_qwen3_5() -> types.ModuleType:
         return importlib.import_module(name)
     finally:
         del sys.modules[_VISION_MODULE]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def init_vllm_distributed(cfg: Any) -> None:

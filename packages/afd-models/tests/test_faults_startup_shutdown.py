@@ -10,6 +10,11 @@ Item 3. An FFN role whose checkpoint cannot be loaded (weights file corrupt, con
 or whose load raises (``AFD_INJECT_FAULT=ffn_load``): the Attention role exits non-zero with the
 FFN's message (world rank 1, stage ``load``) within its ``startup_timeout_s`` (short here).
 
+Issue #31 item 6. An FFN whose service dies of a fatal error while serving
+(``AFD_INJECT_FAULT=ffn_compute``): the request fails with HTTP 500 carrying the FFN's error, the
+Attention role stays up, and the FFN server exits non-zero (not a healthy-looking process that
+serves nothing).
+
 Engine starts are few: every case shares servers where it can.
 """
 
@@ -32,7 +37,7 @@ pytest.importorskip("requests")
 pytest.importorskip("psutil")
 
 import psutil
-from afd_models.demo.client import complete_many
+from afd_models.demo.client import complete_many, served_model_id
 from afd_models.demo.servers import (
     EngineOptions,
     ServerExitedError,
@@ -354,3 +359,44 @@ def variant(
         log_path=server.config.log_path.with_name(f"{name}.log"),
     )
     return VLLMServer(config, print)
+
+
+# -------------------------------------------------------- issue 31 item 6: fatal service error
+
+
+@pytest.mark.timeout(900)
+def test_ffn_service_error_fails_the_request_and_the_ffn_exits_nonzero(
+    model: Path, log_dir: Path, cleanup: list[VLLMServer]
+) -> None:
+    import requests
+
+    attention, ffn = roles(
+        model, log_dir, "compute-fault", ffn_env={"AFD_INJECT_FAULT": "ffn_compute"}
+    )
+    cleanup += [attention, ffn]
+    ffn.start()
+    attention.start()
+    wait_until_healthy([attention, ffn])
+    resp = requests.post(
+        f"{attention.base_url}/v1/completions",
+        json={
+            "model": served_model_id(attention.base_url),
+            "prompt": "Hello",
+            "max_tokens": 4,
+            "temperature": 0.0,
+        },
+        timeout=120,
+    )
+    assert resp.status_code == 500, resp.text
+    assert "AFD FFN role unavailable" in resp.text, resp.text
+    injected = "compute of layer"
+    assert injected in resp.text or injected in attention.log_text(), resp.text
+    wait_for(lambda: ffn.poll() is not None, f"{ffn.name} exits", 120.0)
+    assert ffn.poll() not in (None, 0), ffn.poll()
+    assert "AFD FFN service loop failed" in ffn.log_text()
+    assert "(injected: AFD_INJECT_FAULT=ffn_compute)" in ffn.log_text()
+    # The Attention role outlives its FFN's failure: up, and /health tells the FFN is gone.
+    assert attention.poll() is None
+    assert requests.get(f"{attention.base_url}/health", timeout=10).status_code == 503
+    result = attention.stop(timeout_s=STOP_BOUND_S)
+    assert not result.forced

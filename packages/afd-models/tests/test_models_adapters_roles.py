@@ -16,7 +16,6 @@ Checked, all exactly (``torch.equal``):
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +27,7 @@ pytest.importorskip("vllm")
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnectorBase, AFDTransferHandle
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
+from afd_core.testing import free_port
 from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 from afd_runtime.roles import model_param_bytes
 
@@ -36,12 +36,6 @@ pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(600)]
 FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
 #: Expert parallelism routes on the Attention role; DeepSeek-V3's noaux_tc is refused there.
 EP_FAMILIES = ("qwen3_moe", "deepseek_v2")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +53,7 @@ def vllm_env() -> None:
         init_distributed_environment(
             world_size=1,
             rank=0,
-            distributed_init_method=f"tcp://127.0.0.1:{_free_port()}",
+            distributed_init_method=f"tcp://127.0.0.1:{free_port()}",
             local_rank=0,
             backend="gloo",
         )

@@ -256,3 +256,69 @@ def test_engine_client_without_afd_keeps_vllm_behaviour(
     init = patches.engine_client_init(_blocking_init([]))
     with pytest.raises(KeyboardInterrupt):
         init(object(), True, PLAIN_CFG, None, False)
+
+
+GIB = 2**30
+
+
+def _kv_config(afd: dict[str, Any], kv_bytes: int | None = None, dp: int = 1) -> SimpleNamespace:
+    cfg = _vllm_config(afd)
+    cfg.cache_config.kv_cache_memory_bytes = kv_bytes
+    cfg.cache_config.gpu_memory_utilization = 0.92
+    cfg.parallel_config.data_parallel_size = dp
+    return cfg
+
+
+def test_cpu_attention_role_gets_a_kv_budget_that_leaves_room_for_the_ffn() -> None:
+    from afd_core.config import parse_afd_config
+
+    afd = {"role": "attention", "port": 1}
+    cfg = _kv_config(afd)
+    budget = patches.cpu_kv_budget(
+        parse_afd_config({"afd": afd}), cfg, user_sized=False, total_bytes=24 * GIB
+    )
+    assert budget == 6 * GIB
+    assert cfg.cache_config.kv_cache_memory_bytes == 6 * GIB
+    # Two Attention ranks on the host share the same quarter.
+    afd2 = {"role": "attention", "port": 1, "num_attention_ranks": 2}
+    cfg2 = _kv_config(afd2, dp=2)
+    patches.cpu_kv_budget(
+        parse_afd_config({"afd": afd2}), cfg2, user_sized=False, total_bytes=24 * GIB
+    )
+    assert cfg2.cache_config.kv_cache_memory_bytes == 3 * GIB
+
+
+def test_cpu_kv_budget_keeps_what_the_user_sized() -> None:
+    from afd_core.config import parse_afd_config
+
+    afd = {"role": "attention", "port": 1}
+    parsed = parse_afd_config({"afd": afd})
+    # VLLM_CPU_KVCACHE_SPACE / --kv-cache-memory-bytes reach cache_config before AFD sees it.
+    cfg = _kv_config(afd, kv_bytes=1 * GIB)
+    assert patches.cpu_kv_budget(parsed, cfg, user_sized=False, total_bytes=24 * GIB) is None
+    assert cfg.cache_config.kv_cache_memory_bytes == 1 * GIB
+    # --gpu-memory-utilization given: vLLM's own sizing stands.
+    cfg = _kv_config(afd)
+    assert patches.cpu_kv_budget(parsed, cfg, user_sized=True, total_bytes=24 * GIB) is None
+    assert cfg.cache_config.kv_cache_memory_bytes is None
+
+
+def test_cpu_ffn_role_sizes_no_kv_cache() -> None:
+    from afd_core.config import parse_afd_config
+
+    afd = {"role": "ffn", "port": 1}
+    cfg = _kv_config(afd)
+    assert patches.cpu_kv_budget(parse_afd_config({"afd": afd}), cfg, user_sized=False) == 0
+    assert cfg.cache_config.kv_cache_memory_bytes == 0
+
+
+def test_select_afd_worker_applies_the_kv_budget_on_cpu_only() -> None:
+    afd = {"role": "attention", "port": 1}
+    off_cpu = _kv_config(afd)
+    patches.select_afd_worker(off_cpu, on_cpu=False, kv_user_sized=False)
+    assert off_cpu.cache_config.kv_cache_memory_bytes is None
+    on_cpu = _kv_config(afd)
+    patches.select_afd_worker(on_cpu, on_cpu=True, kv_user_sized=False)
+    expected = int(patches.host_memory_bytes() * patches.CPU_KV_SHARE)
+    assert on_cpu.cache_config.kv_cache_memory_bytes == expected
+    assert 0 < expected < patches.host_memory_bytes() // 2

@@ -28,10 +28,13 @@ import afd_runtime_service_ranks as ranks
 
 @pytest.fixture
 def handlers() -> Iterator[list[int]]:
-    """Installs a recording SIGTERM handler (like vLLM's engine core); restores everything."""
+    """Installs a recording SIGTERM handler (like vLLM's engine core) and Python's default SIGINT
+    handler (a job runner or ``nohup`` may start pytest with SIGINT ignored, which
+    ``cancel_startup_on_signals`` rightly leaves alone); restores everything."""
     saved = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     seen: list[int] = []
     signal.signal(signal.SIGTERM, lambda signum, _frame: seen.append(signum))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     clear_startup_cancel()
     try:
         yield seen

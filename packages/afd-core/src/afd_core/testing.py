@@ -1,6 +1,12 @@
 """Helpers for multi-process tests of AFD connectors (used by afd-core's tests; usable by others).
 
 Invariants:
+* :func:`free_ports` hands out ports below the OS's ephemeral range (Linux:
+  ``/proc/sys/net/ipv4/ip_local_port_range``, 32768-60999 by default), never inside it: a port
+  the OS numbers itself (``bind(0)``) can be taken by any socket a starting engine opens between
+  the check and the server's own bind (seen: ``EADDRINUSE`` on the AFD port), while a port below
+  the range is only ever taken by a process that asks for it by number. Within one process no
+  port is handed out twice.
 * :func:`run_world` never hangs: every rank runs in a spawned process, results come back through
   a queue, and after ``timeout_s`` every still-running process is killed and reported as
   ``"timeout"``.
@@ -10,22 +16,84 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import queue
+import random
 import socket
+import threading
 import time
 import traceback
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Final
 
-__all__ = ["free_port", "run_world"]
+__all__ = ["ephemeral_port_range", "free_port", "free_ports", "run_world"]
+
+#: Where Linux keeps the range of ports it numbers sockets from.
+EPHEMERAL_RANGE_FILE: Final[Path] = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: Linux's default range, used where the file cannot be read.
+DEFAULT_EPHEMERAL_RANGE: Final[tuple[int, int]] = (32768, 60999)
+#: The lowest port handed out (above the well-known and most registered service ports).
+LOWEST_PORT: Final[int] = 10000
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
 
 
-def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def ephemeral_port_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The OS's ephemeral port range ``(low, high)``, inclusive."""
+    try:
+        low, high = (int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL_RANGE
+    return low, high
+
+
+def _candidate_window(low: int, high: int) -> range:
+    """Ports outside the ephemeral range ``[low, high]``: below it when there is room."""
+    if low - LOWEST_PORT >= 1000:
+        return range(LOWEST_PORT, low)
+    if 65535 - high >= 1000:
+        return range(high + 1, 65536)
+    raise ValueError(
+        f"ip_local_port_range={low} {high} leaves no test ports outside the OS's ephemeral "
+        f"range; allowed: a range leaving 1000 ports free below it (from {LOWEST_PORT}) or above"
+    )
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> tuple[int, ...]:
+    """``count`` distinct TCP ports outside the ephemeral range that were free on ``host`` when
+    asked (each was bound, all at once) and were not handed out before by this process."""
+    if count < 1:
+        raise ValueError(f"count={count!r}; allowed: >= 1")
+    window = _candidate_window(*ephemeral_port_range())
+    rng = random.SystemRandom()
+    chosen: list[int] = []
+    with contextlib.ExitStack() as stack, _handed_out_lock:
+        for _ in range(50 * count):
+            if len(chosen) == count:
+                break
+            port = rng.choice(window)
+            if port in _handed_out or port in chosen:
+                continue
+            sock = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            chosen.append(port)
+        if len(chosen) < count:
+            raise OSError(
+                f"only {len(chosen)} of {count} free ports found on {host} in "
+                f"{window.start}..{window.stop - 1}"
+            )
+        _handed_out.update(chosen)
+    return tuple(chosen)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One port as :func:`free_ports` chooses it."""
+    return free_ports(1, host)[0]
 
 
 def _entry(fn: Callable[..., Any], rank: int, args: tuple[Any, ...], out: Any) -> None:

@@ -5,7 +5,9 @@ purpose (a real failure there has no other trigger on CPU):
 
 * ``mega_bind``: every Mega bind of the FFN role fails (:mod:`afd_runtime.quantized`);
 * ``ffn_load``: the FFN role's model load fails after vLLM loaded the weights
-  (:class:`afd_runtime.workers.base.AFDFFNWorkerMixin`).
+  (:class:`afd_runtime.workers.base.AFDFFNWorkerMixin`);
+* ``ffn_compute``: the FFN role's first expert computation fails while serving (a fatal service
+  error, :mod:`afd_runtime.ffn_service`).
 
 An unknown name is refused (``ValueError`` naming the variable, the value and the known names)
 the first time any fault point asks, so a misspelt fault cannot silently test nothing.
@@ -27,7 +29,7 @@ from typing import Final
 #: Environment variable naming the fault to inject.
 FAULT_ENV: Final[str] = "AFD_INJECT_FAULT"
 #: The faults a role can be told to inject.
-KNOWN_FAULTS: Final[tuple[str, ...]] = ("ffn_load", "mega_bind")
+KNOWN_FAULTS: Final[tuple[str, ...]] = ("ffn_compute", "ffn_load", "mega_bind")
 #: Environment variable holding the upper bound (milliseconds) of injected delays.
 DELAY_ENV: Final[str] = "AFD_INJECT_DELAY_MS"
 

@@ -69,7 +69,7 @@ from afd_core.metadata import AFDControlMessage, AFDPayload
 from afd_core.topology import AFDTopology
 
 from afd_runtime.compute import FFNCompute, SteppedFFNCompute
-from afd_runtime.faults import delay_injector
+from afd_runtime.faults import delay_injector, raise_if_injected
 
 logger = logging.getLogger(__name__)
 
@@ -334,6 +334,7 @@ class FFNService:
                     hidden, logits = batch_payloads(payloads)
                     ids = batch_input_ids(payloads)
                     try:
+                        raise_if_injected("ffn_compute", self._compute_what(layer))
                         if ids is None:
                             out = self.compute(layer, hidden, logits)
                         else:  # token-id routed layers (e.g. DeepSeek-V4 hash routing)
@@ -350,6 +351,9 @@ class FFNService:
                 stats.bytes += _payload_bytes(payloads)
                 connector.send_ffn_output(out, meta)
 
+    def _compute_what(self, layer: int) -> str:
+        return f"AFD FFN rank {self.ffn_rank} compute of layer {layer}"
+
     def _serve_dispatched(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
         """Expert parallel: per (layer, stage) the tokens each peer routed to this rank's
         experts (any count, 0 included: nothing is computed or sent back then)."""
@@ -364,6 +368,7 @@ class FFNService:
                     continue
                 hidden, topk = batch_routed(payloads)
                 try:
+                    raise_if_injected("ffn_compute", self._compute_what(layer))
                     out = self.compute(layer, hidden, None, topk)
                 except Exception as exc:
                     connector.abort(f"ffn compute (layer {layer})", f"{type(exc).__name__}: {exc}")

@@ -12,7 +12,11 @@
    ``--additional-config`` text vLLM's parser passed through unparsed (not shaped ``{...}``; vLLM
    would reject it with a pydantic error naming neither the flag nor the fault) is refused first
    with afd-core's error naming the flag and where the JSON breaks
-   (:func:`check_additional_config_text`).
+   (:func:`check_additional_config_text`). On the CPU platform an Attention role whose KV cache
+   size the user left to vLLM gets :func:`cpu_kv_budget` (a quarter of the host's memory instead
+   of vLLM's 92 %, which leaves no room for the FFN role on the same host), and an FFN role gets an
+   explicit zero (it has no KV cache; vLLM's CPU worker would otherwise refuse to start when the
+   other role already holds more than 8 % of the memory).
 2. ``EngineCoreProc.run_busy_loop``: for the FFN role, run :func:`ffn_busy_loop` instead of the
    scheduler loop. It serves only client control requests (utility calls, shutdown) between
    bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
@@ -45,6 +49,7 @@ from __future__ import annotations
 import functools
 import gc
 import logging
+import os
 import signal
 from collections.abc import Callable
 from typing import Any, Final
@@ -64,6 +69,9 @@ logger = logging.getLogger(__name__)
 #: and to client requests). Above vLLM's shm reader spin window (1 s), so the worker reads the
 #: next RPC asleep, not spinning.
 FFN_WAIT_S: Final[float] = 2.0
+#: The share of the host's memory the CPU Attention role's KV cache takes when the user did not
+#: size it (``VLLM_CPU_KVCACHE_SPACE``, ``--kv-cache-memory-bytes``, ``--gpu-memory-utilization``).
+CPU_KV_SHARE: Final[float] = 0.25
 #: Default ``shutdown_timeout`` (seconds) for AFD roles when vLLM's default (0) is in effect.
 AFD_SHUTDOWN_TIMEOUT_S: Final[int] = 10
 _MARK: Final[str] = "_afd_patched"
@@ -136,13 +144,63 @@ def check_role_parallelism(cfg: AFDConfig, parallel_config: Any) -> None:
         )
 
 
+def host_memory_bytes() -> int:
+    """Physical memory of this host in bytes (what vLLM's CPU worker calls total memory)."""
+    return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+
+
+def cpu_kv_budget(
+    cfg: AFDConfig, vllm_config: Any, user_sized: bool, total_bytes: int | None = None
+) -> int | None:
+    """Size an AFD role's CPU KV cache when the user did not; return the bytes set (or None).
+
+    vLLM's CPU worker sizes the KV cache to ``--gpu-memory-utilization`` (92 %) of the host's
+    memory and touches all of it at start-up, so an Attention role started as documented beside
+    its FFN role on one host leaves that role nothing (measured: the Attention engine at 22.7 of
+    24 GiB, then OOM-killed under load). When ``user_sized`` is False and
+    ``cache_config.kv_cache_memory_bytes`` is unset (no ``VLLM_CPU_KVCACHE_SPACE``), the
+    Attention role takes :data:`CPU_KV_SHARE` of ``total_bytes`` (default: this host's memory),
+    split over its engines' workers (data-parallel ranks x workers per engine); the FFN role,
+    which has no KV cache, gets 0 (explicit, so vLLM's start-up check of free memory against
+    92 % of the host does not refuse an FFN that starts after its Attention role). Anything the
+    user set is kept."""
+    cache = vllm_config.cache_config
+    if user_sized or getattr(cache, "kv_cache_memory_bytes", None) is not None:
+        return None
+    if cfg.role is AFDRole.FFN:
+        cache.kv_cache_memory_bytes = 0
+        return 0
+    total = host_memory_bytes() if total_bytes is None else total_bytes
+    pc = vllm_config.parallel_config
+    workers = int(getattr(pc, "world_size", 1) or 1) * max(1, cfg.num_attention_ranks)
+    budget = int(total * CPU_KV_SHARE) // workers
+    cache.kv_cache_memory_bytes = budget
+    logger.warning(
+        "AFD Attention role on CPU: KV cache %.1f GiB per worker (%d%% of this host's %.1f GiB "
+        "over %d worker(s), leaving room for the FFN role; vLLM alone would take %d%%). Set "
+        "VLLM_CPU_KVCACHE_SPACE (GiB), --kv-cache-memory-bytes or --gpu-memory-utilization to "
+        "size it yourself.",
+        budget / 2**30,
+        round(CPU_KV_SHARE * 100),
+        total / 2**30,
+        workers,
+        round(float(getattr(cache, "gpu_memory_utilization", 0.92)) * 100),
+    )
+    return budget
+
+
 def select_afd_worker(
-    vllm_config: Any, requested_backend: Any = None, on_cpu: bool = False
+    vllm_config: Any,
+    requested_backend: Any = None,
+    on_cpu: bool = False,
+    kv_user_sized: bool = True,
 ) -> None:
     """Point ``parallel_config.worker_cls`` at the AFD worker when AFD is configured.
 
     ``requested_backend``: the ``--distributed-executor-backend`` the user gave (``None``:
-    none); ``on_cpu``: vLLM's current platform is CPU (see :func:`in_process_executor`)."""
+    none); ``on_cpu``: vLLM's current platform is CPU (see :func:`in_process_executor`);
+    ``kv_user_sized``: the user gave ``--kv-cache-memory-bytes`` or a non-default
+    ``--gpu-memory-utilization`` (see :func:`cpu_kv_budget`, applied on CPU only)."""
     cfg = parse_afd_config(getattr(vllm_config, "additional_config", None))
     if cfg is None:
         return
@@ -163,6 +221,8 @@ def select_afd_worker(
         # Give engines time to stop their workers (AFD goodbye, no force kill) on SIGTERM.
         vllm_config.shutdown_timeout = AFD_SHUTDOWN_TIMEOUT_S
     in_process_executor(pc, requested_backend, on_cpu)
+    if on_cpu:
+        cpu_kv_budget(cfg, vllm_config, kv_user_sized)
     logger.info(
         "AFD role=%s worker_cls=%s executor=%s",
         cfg.role.value,
@@ -268,6 +328,8 @@ def apply_vllm_patches() -> None:
                 vllm_config,
                 requested_backend=self.distributed_executor_backend,
                 on_cpu=current_platform.is_cpu(),
+                kv_user_sized=self.kv_cache_memory_bytes is not None
+                or self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization,
             )
             return vllm_config
 

@@ -25,7 +25,6 @@ import json
 import os
 import re
 import signal
-import socket
 import string
 import subprocess
 import sys
@@ -90,22 +89,16 @@ class ServerStartTimeoutError(ServerError):
 
 
 def free_port() -> int:
-    """A TCP port that was free on 127.0.0.1 when asked (the OS picks it)."""
+    """A TCP port free on 127.0.0.1 when asked, outside the OS's ephemeral range (see
+    :func:`afd_core.testing.free_ports`: a starting engine's own sockets cannot take it)."""
     return free_ports(1)[0]
 
 
 def free_ports(count: int) -> tuple[int, ...]:
-    """``count`` distinct TCP ports that were free on 127.0.0.1 when asked (all bound at once, so
-    the OS cannot hand out one twice)."""
-    if count < 1:
-        raise ValueError(f"count={count!r} must be >= 1")
-    with contextlib.ExitStack() as stack:
-        ports = []
-        for _ in range(count):
-            s = stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
-            s.bind(("127.0.0.1", 0))
-            ports.append(int(s.getsockname()[1]))
-        return tuple(ports)
+    """``count`` distinct TCP ports chosen by :func:`afd_core.testing.free_ports`."""
+    from afd_core.testing import free_ports as choose
+
+    return choose(count)
 
 
 def vllm_serve_command(
