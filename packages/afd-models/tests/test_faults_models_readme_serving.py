@@ -91,6 +91,7 @@ def test_readme_serving_block_runs_as_written(tmp_path: Path) -> None:
     assert not left, "processes of the serving block outlived its `kill`/`wait`"
     start = out.index("{")
     reply = json.loads(out[start : out.rindex("}") + 1])
+    assert "usage" in reply, f"the curl got no completion: {reply}\n{tails}"
     assert reply["usage"]["completion_tokens"] == 16, reply
     assert reply["choices"][0]["text"], reply
     assert "AFD role=attention param_bytes=" in logs["attention.log"], tails
