@@ -71,8 +71,8 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector.p2p import P2PConnector
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.p2p import P2PConnector
 from afd_core.testing import free_port, run_world
 from afd_core.topology import AFDTopology
 

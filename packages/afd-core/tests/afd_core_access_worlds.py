@@ -18,12 +18,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from afd_core.access import SECRET_ENV, StoreTunnel
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector.p2p import P2PConnector
 from afd_core.errors import AFDAccessError, AFDError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.p2p import P2PConnector
-from afd_core.startup import _MASTER_STORES
+from afd_core.session.access import SECRET_ENV, StoreTunnel
+from afd_core.session.startup import _MASTER_STORES
 from afd_core.topology import AFDTopology
 
 HIDDEN = 8

@@ -19,9 +19,9 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector.p2p import P2PConnector
 from afd_core.errors import AFDError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.p2p import P2PConnector
 from afd_core.topology import AFDTopology
 
 NUM_LAYERS = 2
@@ -816,9 +816,9 @@ def replaced_ffn_proc(proc: int, port: int, liveness_s: float) -> dict[str, Any]
     started while round 1 was still open (its rank claimed there) and so waited for round 2.
     A second process claiming the live FFN rank fails with AFDStartupError (stage 'claim').
     """
-    import afd_core.p2p.lifecycle as lifecycle
+    import afd_core.session.liveness as liveness
 
-    lifecycle.LIVENESS_TIMEOUT_S = liveness_s
+    liveness.LIVENESS_TIMEOUT_S = liveness_s
     topo = AFDTopology(1, 1)
     spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
     role = AFDRole.ATTENTION if proc == 0 else AFDRole.FFN
@@ -945,7 +945,7 @@ def identity_rank(rank: int, port: int, a: int, f: int, case: str) -> dict[str, 
 
 
 def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
-    """A startup wait cancelled with :func:`afd_core.startup.cancel_startup`.
+    """A startup wait cancelled with :func:`afd_core.session.startup.cancel_startup`.
 
     * ``connect`` (1 process, FFN rank 1 of a 1:1 world): no store server; cancelled from a
       timer thread while the client probes for it.
@@ -954,7 +954,7 @@ def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
     * ``ready`` (2 processes): rank 0's ready hook sleeps 6 s; rank 1 waits in the ``ready``
       barrier and is cancelled after 3 s; rank 0 then sees rank 1's published failure.
     """
-    from afd_core.startup import cancel_startup
+    from afd_core.session.startup import cancel_startup
 
     topo = AFDTopology(1, 1)
     if case == "connect":

@@ -13,7 +13,11 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from afd_core.access import (
+from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector.p2p import P2PConnector
+from afd_core.errors import AFDAccessError, AFDConfigError
+from afd_core.metadata import AFDPayloadSpec
+from afd_core.session.access import (
     MIN_SECRET_CHARS,
     SECRET_ENV,
     StoreGate,
@@ -22,11 +26,7 @@ from afd_core.access import (
     is_loopback_host,
     listen_socket,
 )
-from afd_core.config import AFDConfig, AFDRole
-from afd_core.errors import AFDAccessError, AFDConfigError
-from afd_core.metadata import AFDPayloadSpec
-from afd_core.p2p import P2PConnector
-from afd_core.startup import open_tcp_store, release_store_servers
+from afd_core.session.startup import open_tcp_store, release_store_servers
 from afd_core.testing import free_port, run_world
 
 sys.path.insert(0, str(Path(__file__).parent))

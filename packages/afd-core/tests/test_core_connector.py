@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-import afd_core.connector as connector_mod
+import afd_core.config
+import afd_core.connector.factory as connector_mod
 import pytest
 import torch
 from afd_core.config import AFDConfig, AFDConfigError, AFDRole
@@ -20,9 +23,9 @@ from afd_core.connector import (
     register_connector,
     unregister_connector,
 )
+from afd_core.connector.p2p import P2PConnector
 from afd_core.errors import AFDConnectorError, AFDRegistryError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.p2p import P2PConnector
 from afd_core.topology import AFDTopology
 
 
@@ -85,6 +88,19 @@ def test_builtin_p2p_registered() -> None:
 def test_unknown_connector() -> None:
     with pytest.raises(AFDRegistryError, match="nope"):
         get_connector_class("nope")
+    with pytest.raises(AFDConfigError) as info:  # the factory's check, installed in the config
+        AFDConfig(role=AFDRole.FFN, connector="nope")
+    assert info.value.field == "connector" and "'inprocess', 'p2p'" in str(info.value)
+
+
+def test_config_imports_no_connector_code() -> None:
+    """No import cycle config <-> connector: the config module imports nothing of
+    ``afd_core.connector`` (the factory installs its check instead)."""
+    tree = ast.parse(Path(afd_core.config.__file__).read_text(encoding="utf-8"))
+    imported = {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert imported and not [m for m in imported if m.startswith("afd_core.connector")]
+    assert afd_core.config._CONNECTOR_CHECK is connector_mod.check_connector_config
 
 
 def test_register_and_create(loopback: None) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector.p2p import P2PConnector
 from afd_core.errors import AFDContextError
 from afd_core.forward_context import (
     AFD_FORWARD_CONTEXT_KEY,
@@ -23,7 +24,6 @@ from afd_core.forward_context import (
     set_afd_forward_metadata,
 )
 from afd_core.metadata import AFDPayloadSpec
-from afd_core.p2p import P2PConnector
 
 
 def make_connector() -> P2PConnector:

@@ -12,10 +12,10 @@ import pytest
 import torch
 from afd_core.config import AFDConfig, AFDConfigError, AFDRole
 from afd_core.connector import create_connector
+from afd_core.connector.p2p import PROTOCOL_VERSION, P2PConnector
 from afd_core.errors import AFDHandshakeError
 from afd_core.metadata import AFDPayloadSpec
-from afd_core.p2p import P2PConnector
-from afd_core.p2p.handshake import _compare_handshake, _handshake_fields
+from afd_core.session.handshake import _compare_handshake, _handshake_fields
 from afd_core.testing import free_port, run_world
 from afd_core.topology import AFDTopology
 
@@ -137,7 +137,9 @@ def test_shape_fields_are_named_before_the_identity() -> None:
 
 def test_handshake_fields_without_identity_argument() -> None:
     cfg = AFDConfig(role=AFDRole.FFN)
-    published = _handshake_fields(cfg, AFDTopology(1, 1), SPEC, 2, torch.device("cpu"))
+    published = _handshake_fields(
+        cfg, AFDTopology(1, 1), SPEC, 2, torch.device("cpu"), protocol_version=PROTOCOL_VERSION
+    )
     assert published["model_identity"] == {}
 
 

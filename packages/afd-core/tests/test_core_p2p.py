@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from afd_core.config import AFDConfig, AFDConfigError, AFDRole
+from afd_core.connector.p2p import RECV_AHEAD_BYTES, P2PConnector, backend_for_device
 from afd_core.errors import (
     AFDConnectorError,
     AFDNotInitializedError,
@@ -21,7 +22,6 @@ from afd_core.errors import (
     AFDTimeoutError,
 )
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.p2p import RECV_AHEAD_BYTES, P2PConnector, backend_for_device
 from afd_core.testing import free_port, run_world
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -281,7 +281,7 @@ def test_store_port_in_use_is_a_config_error_naming_port() -> None:
 
 
 def test_address_in_use_recognises_both_bind_failures() -> None:
-    from afd_core.p2p.lifecycle import _address_in_use
+    from afd_core.connector.p2p.lifecycle import _address_in_use
 
     assert _address_in_use(OSError(errno.EADDRINUSE, "Address already in use"))
     assert _address_in_use(
@@ -399,8 +399,8 @@ def test_recv_ahead_extra_config() -> None:
 
 
 def test_ffn_rejects_a_step_that_conflicts_with_a_posted_receive() -> None:
+    from afd_core.connector.p2p.recv_ahead import _PostedRecv
     from afd_core.errors import AFDProtocolError
-    from afd_core.p2p.recv_ahead import _PostedRecv
 
     conn = P2PConnector(
         AFDConfig(role=AFDRole.FFN, num_attention_ranks=2), payload_spec=spec(), num_layers=3

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import torch.distributed as dist
 from afd_core.errors import AFDCancelledError, AFDConfigError, AFDStartupError, AFDTimeoutError
-from afd_core.startup import (
+from afd_core.session.startup import (
     StartupCoordinator,
     cancel_startup,
     check_startup_cancelled,

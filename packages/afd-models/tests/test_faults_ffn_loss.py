@@ -44,7 +44,7 @@ TIMEOUT_S = 30.0  # the AFD config's timeout_s (every wait inside a step)
 LONG_TOKENS = 900  # long enough to still be generating when the FFN dies
 UNAVAILABLE = "AFD FFN role unavailable"
 #: The Attention role notices an idle FFN's death by its heartbeat: 10 s without a beat
-#: (afd_core.p2p.lifecycle.LIVENESS_TIMEOUT_S) plus a poll; generous for a loaded 2-core host.
+#: (afd_core.session.liveness.LIVENESS_TIMEOUT_S) plus a poll; generous for a loaded 2-core host.
 IDLE_DETECT_BOUND_S = 40.0
 
 

@@ -121,3 +121,20 @@ def test_afd_serve_bad_config_exits_2_before_vllm_starts(
     err = capsys.readouterr().err
     assert err.startswith("afd serve: error: invalid AFD config field '--additional-config'")
     assert "line 1 column 38 (char 37)" in err
+
+
+def test_afd_serve_exits_1_when_an_engine_core_failed(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("afd_runtime")
+    from afd_models import vllm_cli
+    from afd_runtime import patches
+
+    monkeypatch.setattr(patches, "_engine_processes", [])
+    vllm_cli.exit_if_an_engine_failed()  # nothing recorded: returns
+    dead = type("P", (), {"name": "EngineCore_DP0", "pid": 7, "exitcode": 1})()
+    monkeypatch.setattr(patches, "_engine_processes", [dead])
+    with pytest.raises(SystemExit) as exited:
+        vllm_cli.exit_if_an_engine_failed()
+    assert exited.value.code == 1
+    assert "EngineCore_DP0 (pid 7) exited with code 1" in capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""Worker for the expert-parallel test against afd-core's real P2PConnector (not a test module).
+"""Worker for the expert-parallel test against afd-core's connectors (not a test module).
 
-World: ``A`` Attention ranks then ``F`` FFN ranks, one process each. Toy experts: expert ``e`` is
+World: ``A`` Attention ranks then ``F`` FFN ranks, one process each over the real P2P connector, or
+one thread each over the in-process connector (``connector="inprocess"``). Toy experts: expert ``e`` is
 ``x * (e + 1)`` (exact in float32 for the small integers used), so FFN rank ``f``'s answer for a
 token is ``sum over its own slots of w * x * (e + 1)`` and the Attention rank can check the
 combined output against the whole sum, computed in the combine order (rank 0's part, then rank
@@ -21,10 +22,10 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector import AFDConnectorBase, create_connector
 from afd_core.forward_context import AFDForwardMetadata, dbo_yield, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 from afd_core.overlap import run_overlapped
-from afd_core.p2p import P2PConnector
 from afd_core.topology import AFDTopology
 from afd_remote import AFDAttentionFusedMoE
 
@@ -59,7 +60,7 @@ def toy_partial(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) 
     return out
 
 
-def _attention(conn: P2PConnector, topo: AFDTopology, arank: int) -> dict[str, Any]:
+def _attention(conn: AFDConnectorBase, topo: AFDTopology, arank: int) -> dict[str, Any]:
     moe = [AFDAttentionFusedMoE(layer, gate_on_attention=True) for layer in range(LAYERS)]
     conn.send_control(AFDControlMessage(((tokens(arank),),)))
     emap = topo.expert_map(EXPERTS)
@@ -100,7 +101,7 @@ def stage_split(arank: int) -> tuple[int, int]:
     return (3, n - 3) if arank == 0 else (n, 0)
 
 
-def _attention_staged(conn: P2PConnector, topo: AFDTopology, arank: int) -> list[str]:
+def _attention_staged(conn: AFDConnectorBase, topo: AFDTopology, arank: int) -> list[str]:
     moe = [AFDAttentionFusedMoE(layer, gate_on_attention=True) for layer in range(LAYERS)]
     split = stage_split(arank)
     conn.send_control(AFDControlMessage(tuple((c,) for c in split)))
@@ -128,7 +129,7 @@ def _attention_staged(conn: P2PConnector, topo: AFDTopology, arank: int) -> list
     return problems
 
 
-def _ffn_staged(conn: P2PConnector, topo: AFDTopology, ffn_rank: int) -> list[tuple[int, ...]]:
+def _ffn_staged(conn: AFDConnectorBase, topo: AFDTopology, ffn_rank: int) -> list[tuple[int, ...]]:
     emap = topo.expert_map(EXPERTS)
     mine = torch.tensor(emap.local_experts(ffn_rank))
     ctl = conn.recv_control()
@@ -149,7 +150,7 @@ def _ffn_staged(conn: P2PConnector, topo: AFDTopology, ffn_rank: int) -> list[tu
     return received
 
 
-def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int) -> dict[str, Any]:
+def _ffn(conn: AFDConnectorBase, topo: AFDTopology, ffn_rank: int) -> dict[str, Any]:
     emap = topo.expert_map(EXPERTS)
     mine = torch.tensor(emap.local_experts(ffn_rank))
     conn.recv_control()
@@ -171,11 +172,12 @@ def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int) -> dict[str, Any]
     }
 
 
-def run(rank: int, port: int, a: int, f: int) -> dict[str, Any]:
+def run(rank: int, port: int, a: int, f: int, connector: str = "p2p") -> dict[str, Any]:
     topo = AFDTopology(a, f)
     role, role_rank = topo.role_of(rank)
     cfg = AFDConfig(
         role=role,
+        connector=connector,
         port=port,
         num_attention_ranks=a,
         num_ffn_ranks=f,
@@ -184,7 +186,7 @@ def run(rank: int, port: int, a: int, f: int) -> dict[str, Any]:
         timeout_s=60.0,
     )
     spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32, top_k=TOP_K)
-    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=LAYERS)
+    conn = create_connector(cfg, role_rank, payload_spec=spec, num_layers=LAYERS, topology=topo)
     conn.init()
     try:
         if role is AFDRole.ATTENTION:

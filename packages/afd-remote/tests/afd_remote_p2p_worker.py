@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector.p2p import P2PConnector
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 from afd_core.overlap import run_overlapped
-from afd_core.p2p import P2PConnector
 from afd_core.topology import AFDTopology
 from afd_remote import AFDAttentionFusedMoE, RemoteFFNTransfer, softmax_topk
 

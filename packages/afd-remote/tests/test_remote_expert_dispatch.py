@@ -1,9 +1,13 @@
-"""Expert-parallel dispatch: the layout, the combine order, and a round trip over gloo."""
+"""Expert-parallel dispatch: the layout, the combine order, and round trips over the in-process
+connector (every shape, threads of this process) and over P2P/gloo (one shape: the transport)."""
 
 from __future__ import annotations
 
+import itertools
 import sys
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,10 +73,47 @@ def test_plan_and_combine_reject_bad_shapes() -> None:
     assert info.value.field == "ffn_outputs[1]"
 
 
+_ports = itertools.count(7500)  # in-process worlds are named by host:port; nothing listens
+
+
+def _in_threads(a: int, f: int) -> dict[int, Any]:
+    """``worker.run`` for every world rank on a thread, over the in-process connector; outcomes
+    as :func:`afd_core.testing.run_world` reports them."""
+    port = next(_ports)
+    outcomes: dict[int, Any] = {}
+
+    def rank(r: int) -> None:
+        try:
+            outcomes[r] = ("ok", worker.run(r, port, a, f, "inprocess"))
+        except Exception as err:
+            outcomes[r] = ("error", f"{type(err).__name__}: {err}")
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(a + f)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads), outcomes
+    return outcomes
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("a", "f"), [(1, 2), (2, 2), (3, 2), (1, 3)], ids=lambda v: str(v))
-def test_dispatch_routed_round_trip_over_p2p(a: int, f: int) -> None:
-    outcomes = run_world(worker.run, a + f, free_port(), a, f, timeout_s=240)
+@pytest.mark.parametrize(
+    ("a", "f", "transport"),
+    [
+        (1, 2, "p2p"),
+        (1, 2, "inprocess"),
+        (2, 2, "inprocess"),
+        (3, 2, "inprocess"),
+        (1, 3, "inprocess"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_dispatch_routed_round_trip(a: int, f: int, transport: str) -> None:
+    if transport == "p2p":
+        outcomes = run_world(worker.run, a + f, free_port(), a, f, timeout_s=240)
+    else:
+        outcomes = _in_threads(a, f)
     assert sorted(outcomes) == list(range(a + f))
     reports = {}
     for rank, outcome in outcomes.items():

@@ -1,6 +1,7 @@
-"""Rank functions for afd-runtime's service tests (imported by spawned children by name).
+"""Rank functions for afd-runtime's service tests: run as threads of the test process on afd-core's
+in-process connector (``CONNECTOR``), or by spawned children by name (the SIGTERM test).
 
-The Attention ranks drive afd-core's P2P connector directly (control message, then per layer
+The Attention ranks drive afd-core's connector directly (control message, then per layer
 ``send_attn_output`` / ``recv_ffn_output``), as the Attention worker and afd-remote's proxy do in
 serving; the FFN rank runs :class:`afd_runtime.ffn_service.FFNService` on the same connector.
 """
@@ -25,8 +26,14 @@ LAYERS = (1, 3)
 STEPS = (3, 1, 5)
 
 
+#: The connector the service tests run on: both roles as threads of one process, no gloo (the
+#: P2P transport itself is proven by afd-core's and afd-remote's tests).
+CONNECTOR = "inprocess"
+
+
 def config(role: str, port: int, **kw: Any) -> AFDConfig:
     raw: dict[str, Any] = {"role": role, "port": port, "timeout_s": 20.0, "startup_timeout_s": 60}
+    raw["connector"] = kw.pop("connector", CONNECTOR)
     raw.update(kw)
     return AFDConfig.from_mapping(raw)
 
@@ -84,6 +91,7 @@ compute = StepRecordingCompute()
 
 def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: Any) -> None:
     cfg = config("ffn", port, num_attention_ranks=num_attention, compute_gate_on_attention=gate)
+    compute = StepRecordingCompute()  # per service (the ranks may share one process)
     svc = FFNService(cfg, 0, LAYERS, compute, lambda: connector(cfg, 0))
     svc.start()
     deadline = time.monotonic() + 200
@@ -96,7 +104,7 @@ def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: 
     q.put(
         (
             "ffn",
-            (stats.steps, stats.compute_calls, stats.tokens, svc.deployments),
+            (stats.steps, stats.compute_calls, stats.tokens, svc.deployments, svc.refusals),
             None if err is None else f"{type(err).__name__}: {err}",
         )
     )
@@ -348,7 +356,7 @@ def ffn_waiting_then_sigterm(port: int, q: Any) -> None:
 
     signal.signal(signal.SIGTERM, lambda *_: None)  # stands in for vLLM's recording handler
     assert cancel_startup_on_signals()
-    cfg = config("ffn", port, startup_timeout_s=60.0)
+    cfg = config("ffn", port, startup_timeout_s=60.0, connector="p2p")  # a real store wait
     svc = FFNService(cfg, 0, LAYERS, lambda *a: a[1], lambda: connector(cfg, 0))
     svc.start()
     time.sleep(1.5)

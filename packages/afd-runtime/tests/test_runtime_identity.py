@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 from afd_core.config import AFDConfig, AFDRole
+from afd_core.connector.p2p import P2PConnector
+from afd_core.errors import AFDModelError
 from afd_core.metadata import AFDPayloadSpec
-from afd_core.p2p import P2PConnector
-from afd_core.p2p.handshake import _first_difference
+from afd_core.session.handshake import _first_difference
 from afd_runtime.identity import (
     SAMPLE_BYTES,
     SAMPLE_WINDOWS,
@@ -227,8 +228,11 @@ def test_small_files_are_read_whole_and_other_formats_have_no_header(tmp_path: P
 def test_a_truncated_safetensors_header_is_refused_naming_the_file(tmp_path: Path) -> None:
     bad = tmp_path / "model.safetensors"
     bad.write_bytes(struct.pack("<Q", 1 << 20) + b"{}")
-    with pytest.raises(ValueError, match=r"model\.safetensors: safetensors header length"):
+    with pytest.raises(
+        AFDModelError, match=r"header length': got 1048576; allowed: at most 2"
+    ) as e:
         weight_file_identity(bad)
+    assert str(e.value).endswith(f"({bad})")  # the file is named
 
 
 def test_dummy_weights_and_an_uncached_repository(tmp_path: Path) -> None:

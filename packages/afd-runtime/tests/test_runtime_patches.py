@@ -35,12 +35,12 @@ def test_worker_selection_per_platform(platform_worker: str) -> None:
 
 
 def test_worker_selection_errors_name_the_field() -> None:
-    with pytest.raises(ValueError, match=r"parallel_config\.worker_cls='my\.Worker'"):
+    with pytest.raises(AFDConfigError, match=r"'parallel_config\.worker_cls': got 'my\.Worker'"):
         afd_worker_qualname("attention", "my.Worker")
-    with pytest.raises(ValueError, match=r"afd\.role='both'"):
+    with pytest.raises(AFDConfigError, match=r"'role': got 'both'"):
         afd_worker_qualname("both", CPU)
     # The attention worker is not a valid FFN worker.
-    with pytest.raises(ValueError, match="worker_cls"):
+    with pytest.raises(AFDConfigError, match="worker_cls"):
         afd_worker_qualname("ffn", AFD_WORKERS[CPU][0])
 
 
@@ -161,7 +161,7 @@ def test_vllm_cli_malformed_additional_config_fails_in_the_patch() -> None:
 
 
 def test_select_afd_worker_rejects_class_objects() -> None:
-    with pytest.raises(ValueError, match="worker_cls"):
+    with pytest.raises(AFDConfigError, match="worker_cls"):
         patches.select_afd_worker(_vllm_config({"role": "ffn", "port": 1}, worker=object))
 
 
@@ -322,3 +322,27 @@ def test_select_afd_worker_applies_the_kv_budget_on_cpu_only() -> None:
     expected = int(patches.host_memory_bytes() * patches.CPU_KV_SHARE)
     assert on_cpu.cache_config.kv_cache_memory_bytes == expected
     assert 0 < expected < patches.host_memory_bytes() // 2
+
+
+def test_engine_failures_report_cores_that_died_of_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import signal as sig
+
+    monkeypatch.setattr(patches, "_engine_processes", [])
+    procs = [
+        SimpleNamespace(name="EngineCore_DP0", pid=11, exitcode=None),  # still running
+        SimpleNamespace(name="EngineCore_DP1", pid=12, exitcode=0),  # clean stop
+        SimpleNamespace(name="EngineCore_DP2", pid=13, exitcode=-sig.SIGTERM),  # asked to stop
+    ]
+    client = SimpleNamespace(
+        resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=procs))
+    )
+    assert patches.record_engine_processes(client) == 3
+    assert patches.engine_failures() == []
+    procs[0].exitcode = 1  # the FFN service loop raised: EngineCore exits 1
+    assert patches.engine_failures() == ["EngineCore_DP0 (pid 11) exited with code 1"]
+    procs[1].exitcode = -sig.SIGILL  # a native crash is a failure too
+    assert len(patches.engine_failures()) == 2
+    # A client whose engines are not local processes records nothing.
+    assert patches.record_engine_processes(SimpleNamespace(resources=SimpleNamespace())) == 0

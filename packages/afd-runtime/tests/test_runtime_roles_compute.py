@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.errors import AFDConfigError
+from afd_core.errors import AFDConfigError, AFDModelError, AFDPayloadError, AFDStateError
 from afd_core.metadata import AFDPayloadSpec
 from afd_runtime.compute import (
     NativeFusedMoECompute,
@@ -31,9 +31,10 @@ def _vllm_config(afd: dict[str, Any] | None, dp_rank: int = 0, tp: int = 1) -> S
 def test_require_afd_config() -> None:
     cfg = require_afd_config(_vllm_config({"role": "ffn", "port": 9}), AFDRole.FFN)
     assert cfg.role is AFDRole.FFN and cfg.port == 9
-    with pytest.raises(ValueError, match=r"additional_config\['afd'\] is missing"):
+    with pytest.raises(AFDConfigError, match=r"additional_config\['afd'\] is missing") as err:
         require_afd_config(_vllm_config(None), AFDRole.FFN)
-    with pytest.raises(ValueError, match=r"\['role'\]='attention'"):
+    assert err.value.field == "additional_config['afd']" and "role='ffn'" in err.value.allowed
+    with pytest.raises(AFDConfigError, match=r"'afd.role': got 'attention'; allowed: 'ffn'"):
         require_afd_config(_vllm_config({"role": "attention", "port": 9}), AFDRole.FFN)
 
 
@@ -41,10 +42,13 @@ def test_role_rank_is_the_data_parallel_rank() -> None:
     afd = {"role": "attention", "port": 9, "num_attention_ranks": 2}
     cfg = AFDConfig.from_mapping(afd)
     assert role_rank(_vllm_config(afd, dp_rank=1), cfg) == 1
-    with pytest.raises(ValueError, match="num_attention_ranks=2"):
+    with pytest.raises(AFDConfigError, match="num_attention_ranks=2") as err:
         role_rank(_vllm_config(afd, dp_rank=2), cfg)
-    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+    assert (err.value.field, err.value.value) == ("parallel_config.data_parallel_rank", 2)
+    assert err.value.allowed.startswith("ranks 0..1")
+    with pytest.raises(AFDConfigError) as err:
         role_rank(_vllm_config(afd, tp=2), cfg)
+    assert (err.value.field, err.value.value) == ("parallel_config.tensor_parallel_size", 2)
 
 
 def test_model_param_bytes_prefers_the_adapters_measurement() -> None:
@@ -85,7 +89,7 @@ def test_native_compute_runs_in_the_step_context() -> None:
     x = torch.arange(6.0).reshape(3, 2)
     assert torch.equal(compute(0, x, None), x * 2)
     assert ctx.calls == [3]
-    with pytest.raises(RuntimeError, match=r"layer 1 returned shape=\(1, 2\)"):
+    with pytest.raises(AFDModelError, match=r"'afd_ffn_forward\(1\) output': got 'shape=\(1, 2\)"):
         compute(1, x, None)
 
 
@@ -99,12 +103,12 @@ def test_native_compute_step_enters_the_context_once() -> None:
         assert torch.is_inference_mode_enabled()
         assert torch.equal(compute(0, x, None), x * 2)
         assert torch.equal(compute(0, x[:2], None), x[:2] * 2)
-        with pytest.raises(RuntimeError, match="not reentrant"), compute.step(1):
+        with pytest.raises(AFDStateError, match="not reentrant"), compute.step(1):
             pass
     assert ctx.calls == [5]  # one context for the step's two calls, sized by the step
     assert torch.equal(compute(0, x, None), x * 2)  # outside a step: a context of its own
     assert ctx.calls == [5, 3]
-    with pytest.raises(RuntimeError, match=r"layer 1 returned shape=\(1, 2\)"), compute.step(3):
+    with pytest.raises(AFDModelError, match=r"got 'shape=\(1, 2\)"), compute.step(3):
         compute(1, x, None)
     assert ctx.calls == [5, 3, 3]
     with compute.step(2):  # the failed step closed its scope
@@ -128,8 +132,9 @@ def test_compute_selection_errors() -> None:
         cfg(ffn_compute="bogus")
     assert (err.value.field, err.value.value) == ("ffn_compute", "bogus")
     assert "['native', 'layered', 'mega']" in err.value.allowed
-    with pytest.raises(TypeError, match="AFDFFNModel"):
+    with pytest.raises(AFDModelError, match="AFDFFNModel") as model_err:
         select_ffn_compute(cfg(), object(), _Ctx())  # type: ignore[arg-type]
+    assert (model_err.value.field, model_err.value.value) == ("model", "object")
 
 
 # -- quantized computes ------------------------------------------------------------------------
@@ -222,12 +227,13 @@ def test_layered_and_mega_compute_identical_outputs_and_mega_binds_per_connectio
 
 
 def test_injected_mega_bind_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    from afd_runtime.faults import InjectedFaultError
     from afd_runtime.quantized import FAULT_ENV, QuantizedFFNCompute
     from afd_weights import QuantScheme
 
     mega = QuantizedFFNCompute("mega", _quantized_model(QuantScheme.W8A8), max_tokens=8, ffn_rank=1)
     monkeypatch.setenv(FAULT_ENV, "mega_bind")
-    with pytest.raises(RuntimeError, match=r"Mega bind to group .*g1/data.* failed \(injected"):
+    with pytest.raises(InjectedFaultError, match=r"Mega bind to group .*g1/data.* failed \(inje"):
         mega.bind(_Conn())
     assert mega.binds == 0
 
@@ -259,5 +265,5 @@ def test_quantized_compute_refuses_input_ids() -> None:
 
     model = _quantized_model(QuantScheme.W8A8)
     layered = QuantizedFFNCompute("layered", model, max_tokens=16, ffn_rank=0)
-    with pytest.raises(ValueError, match=r"input_ids.*ffn_compute='native'"):
+    with pytest.raises(AFDPayloadError, match=r"input_ids.*ffn_compute='native'"):
         layered(1, torch.zeros(2, 64), None, input_ids=torch.tensor([1, 2]))

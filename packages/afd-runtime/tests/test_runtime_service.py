@@ -1,27 +1,50 @@
-"""FFN service loop <-> Attention ranks over afd-core's P2P connector (spawned processes)."""
+"""FFN service loop <-> Attention ranks over afd-core's in-process connector (threads of this
+process, no gloo: what is tested is the service, not the transport)."""
 
 from __future__ import annotations
 
+import itertools
+import queue
 import sys
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.multiprocessing as mp
 from afd_core.config import AFDConfig
-from afd_core.testing import free_port
+from afd_core.errors import AFDModelError
 from afd_runtime.ffn_service import FFNService
 
-# Spawned children import the rank functions by module name (pytest's importlib mode gives this
-# test module a name they cannot import).
 sys.path.insert(0, str(Path(__file__).parent))
 import afd_runtime_service_ranks as ranks
 
+#: In-process worlds are named by host:port; nothing listens there.
+_ports = itertools.count(7300)
+
+
+class _Ctx:
+    """The ``multiprocessing`` context surface the tests use, with threads."""
+
+    Queue = queue.Queue
+    Barrier = threading.Barrier
+
+    @staticmethod
+    def Process(target: Callable[..., Any], args: tuple[Any, ...]) -> threading.Thread:
+        return threading.Thread(target=target, args=args, daemon=True)
+
+
+def free_port() -> int:
+    return next(_ports)
+
 
 def _run(
-    num_attention: int, mode: str, expected_steps: int, sessions: int = 1
+    num_attention: int, mode: str | tuple[str, ...], expected_steps: int, sessions: int = 1
 ) -> dict[str, tuple[Any, Any]]:
-    ctx = mp.get_context("spawn")
+    """One FFN rank and ``sessions`` Attention deployments one after the other; ``mode`` is
+    every deployment's, or one per deployment."""
+    modes = (mode,) * sessions if isinstance(mode, str) else mode
+    ctx = _Ctx()
     q = ctx.Queue()
     port = free_port()
     ffn = ctx.Process(target=ranks.ffn_main, args=(port, num_attention, expected_steps, False, q))
@@ -33,7 +56,7 @@ def _run(
             procs = [
                 ctx.Process(
                     target=ranks.attention_main,
-                    args=(port, r, num_attention, mode, q, barrier, f"s{s}" if s else ""),
+                    args=(port, r, num_attention, modes[s], q, barrier, f"s{s}" if s else ""),
                 )
                 for r in range(num_attention)
             ]
@@ -46,8 +69,7 @@ def _run(
             out[name] = (a, b)
         ffn.join(30)
     finally:
-        if ffn.is_alive():
-            ffn.kill()
+        assert not ffn.is_alive(), "the FFN service thread did not end"
     return out
 
 
@@ -58,7 +80,7 @@ def test_service_batches_two_attention_ranks_per_layer() -> None:
     assert out["attention1"] == (True, None)
     # 3 steps, 2 layers: one compute call per layer per step over both ranks' tokens.
     tokens = sum(2 * n + 1 for n in ranks.STEPS) * len(ranks.LAYERS)
-    assert out["ffn"] == ((3, 3 * len(ranks.LAYERS), tokens, 1), None)
+    assert out["ffn"] == ((3, 3 * len(ranks.LAYERS), tokens, 1, 0), None)
     # Every call ran inside its step's scope, entered once per step with the step's batch.
     steps = [(2 * n + 1, len(ranks.LAYERS)) for n in ranks.STEPS]
     assert out["ffn-steps"] == (steps, 0)
@@ -82,25 +104,30 @@ def test_ffn_outlives_an_attention_restart() -> None:
     out = _run(1, "ok", expected_steps=6, sessions=2)
     assert out["attention0"] == (True, None)
     assert out["attention0s1"] == (True, None)
-    steps, _calls, _tokens, deployments = out["ffn"][0]
+    steps, _calls, _tokens, deployments, _refusals = out["ffn"][0]
     assert (steps, deployments) == (6, 2)
     assert out["ffn"][1] is None
 
 
 @pytest.mark.timeout(240)
-def test_config_disagreement_is_refused_on_both_sides() -> None:
-    out = _run(1, "disagree", expected_steps=99)
+def test_a_disagreeing_attention_is_refused_and_the_ffn_serves_the_next() -> None:
+    """The Attention deployment that disagrees fails naming the field; the FFN refuses it
+    without failing and then serves a matching deployment (issue #31 item 6)."""
+    out = _run(1, ("disagree", "ok"), expected_steps=3, sessions=2)
     ok, err = out["attention0"]
     assert ok is False
-    assert err is not None and "compute_gate_on_attention" in err
-    _stats, ffn_err = out["ffn"]
-    assert ffn_err is not None and ffn_err.startswith("AFDHandshakeError")
-    assert "compute_gate_on_attention" in ffn_err
+    assert err is not None and err.startswith("AFDHandshakeError")
+    assert "compute_gate_on_attention" in err
+    assert out["attention0s1"] == (True, None)
+    steps, _calls, _tokens, deployments, refusals = out["ffn"][0]
+    assert (steps, deployments) == (3, 1)
+    assert refusals >= 1
+    assert out["ffn"][1] is None  # no service error: the FFN did not fail
 
 
 def test_service_rejects_empty_layers() -> None:
     cfg = AFDConfig.from_mapping({"role": "ffn"})
-    with pytest.raises(ValueError, match="layer_indices"):
+    with pytest.raises(AFDModelError, match="'layer_indices': got \\[\\]"):
         FFNService(cfg, 0, (), ranks.compute, lambda: ranks.connector(cfg, 0))
 
 
@@ -108,7 +135,7 @@ def test_service_rejects_empty_layers() -> None:
 def test_expert_parallel_service_two_to_two() -> None:
     """2 Attention : 2 FFN ranks, each FFN rank computing only its experts' share; the combined
     outputs are exact, and a step that routes nothing to FFN rank 1 skips its compute."""
-    ctx = mp.get_context("spawn")
+    ctx = _Ctx()
     q = ctx.Queue()
     port = free_port()
     ffns = [ctx.Process(target=ranks.ep_ffn_main, args=(port, f, q)) for f in range(2)]
@@ -126,8 +153,7 @@ def test_expert_parallel_service_two_to_two() -> None:
     finally:
         for p in (*ffns, *atts):
             p.join(30)
-            if p.is_alive():
-                p.kill()
+            assert not p.is_alive(), "a rank thread did not end"
     for r in range(2):
         ok, counts = out[f"attention{r}"][0]
         assert ok and out[f"attention{r}"][1] is None
@@ -145,9 +171,9 @@ def test_expert_parallel_service_two_to_two() -> None:
 @pytest.mark.timeout(240)
 def test_input_ids_reach_the_ffn_compute_row_aligned() -> None:
     """Token ids (payload field ``input_ids``) travel with the hidden states from two Attention
-    ranks over the P2P connector; the FFN service hands the compute both ranks' ids batched in
+    ranks over the connector; the FFN service hands the compute both ranks' ids batched in
     the same order as their rows (the compute's reply depends on each row's id)."""
-    ctx = mp.get_context("spawn")
+    ctx = _Ctx()
     q = ctx.Queue()
     port = free_port()
     barrier = ctx.Barrier(2)
@@ -164,8 +190,7 @@ def test_input_ids_reach_the_ffn_compute_row_aligned() -> None:
     finally:
         for p in procs:
             p.join(30)
-            if p.is_alive():
-                p.kill()
+            assert not p.is_alive(), "a rank thread did not end"
     steps = len(ranks.STEPS) * len(ranks.LAYERS)
     assert out["attention0"] == (True, steps)
     assert out["attention1"] == (True, steps)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 from afd_core.config import AFDConfig
-from afd_core.errors import AFDCancelledError, AFDTimeoutError
-from afd_core.startup import clear_startup_cancel, startup_cancel_reason
+from afd_core.errors import AFDCancelledError, AFDConfigError, AFDTimeoutError
+from afd_core.session.startup import clear_startup_cancel, startup_cancel_reason
 from afd_core.testing import free_port
 from afd_runtime.faults import FAULT_ENV, InjectedFaultError, fault_injected, raise_if_injected
 from afd_runtime.signals import cancel_startup_on_signals, cancels_startup
@@ -146,9 +146,10 @@ def test_fault_injection_names_and_refusals(monkeypatch: pytest.MonkeyPatch) -> 
     ):
         raise_if_injected("ffn_load", "load")
     monkeypatch.setenv(FAULT_ENV, "ffn_lod")
-    with pytest.raises(ValueError, match="AFD_INJECT_FAULT='ffn_lod'"):
+    with pytest.raises(AFDConfigError, match="'AFD_INJECT_FAULT': got 'ffn_lod'") as err:
         fault_injected("ffn_load")
-    with pytest.raises(ValueError, match="'nope'"):
+    assert "'mega_bind'" in err.value.allowed
+    with pytest.raises(AFDConfigError, match="'nope'"):
         fault_injected("nope")
 
 
@@ -173,7 +174,7 @@ def test_delay_injection_is_seeded_bounded_and_refuses_bad_values(
     assert all(0.0 <= d <= 0.003 for d in slept) and len(set(slept)) > 1
     for bad in ("-1", "soon", "inf"):
         monkeypatch.setenv(DELAY_ENV, bad)
-        with pytest.raises(ValueError, match=f"AFD_INJECT_DELAY_MS='{bad}'"):
+        with pytest.raises(AFDConfigError, match=f"'AFD_INJECT_DELAY_MS': got '{bad}'"):
             delay_injector("x")
 
 

@@ -6,8 +6,7 @@ Submodules (importing this package imports none of vLLM):
   batch on one TP rank, TP or SP layout).
 * :mod:`afd_cam.stages` -- :func:`prepare_stage_inputs`, :func:`restore_stage_outputs`,
   :func:`split_replicated` (layout conversion, padding, restoration).
-* :mod:`afd_cam.handoff` -- :class:`ReceiveHandoff`, :func:`run_staged_pipeline`,
-  :func:`pipeline_order` (when each dispatched stage is received).
+* :mod:`afd_cam.handoff` -- :class:`ReceiveHandoff` (when each dispatched stage is received).
 
 The TP row all-gather they take is :mod:`afd_core.collectives` (shared with afd-remote).
 """
@@ -15,7 +14,7 @@ The TP row all-gather they take is :mod:`afd_core.collectives` (shared with afd-
 from importlib.metadata import version as _version
 
 from afd_cam.errors import AFDCamError, AFDCamHandoffError
-from afd_cam.handoff import PipelineStep, ReceiveHandoff, pipeline_order, run_staged_pipeline
+from afd_cam.handoff import ReceiveHandoff
 from afd_cam.layout import CAMStage, CAMStageLayout
 from afd_cam.stages import (
     CAMStageInputs,
@@ -32,12 +31,9 @@ __all__ = [
     "CAMStage",
     "CAMStageInputs",
     "CAMStageLayout",
-    "PipelineStep",
     "ReceiveHandoff",
     "__version__",
-    "pipeline_order",
     "prepare_stage_inputs",
     "restore_stage_outputs",
-    "run_staged_pipeline",
     "split_replicated",
 ]

@@ -7,25 +7,14 @@ afd-core's :class:`~afd_core.errors.AFDError`.
 
 from __future__ import annotations
 
-from typing import Any
-
-from afd_core.errors import AFDError
+from afd_core.errors import AFDError, AFDFieldError
 
 
-class AFDCamError(AFDError, ValueError):
-    """A layout, tensor or stage value afd_cam cannot use.
+class AFDCamError(AFDFieldError, ValueError):
+    """A layout or tensor value afd_cam cannot use (``field`` / ``value`` / ``allowed`` as in
+    afd-core's :class:`~afd_core.errors.AFDFieldError`, e.g. ``field="tp_size"``)."""
 
-    Attributes:
-        field: the argument, layout field or stage item at fault (e.g. ``stages[1].start``).
-        value: the rejected value (a shape or a scalar, never a whole tensor).
-        allowed: what is accepted.
-    """
-
-    def __init__(self, field: str, value: Any, allowed: str) -> None:
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"invalid afd_cam value {field!r}: got {value!r}; allowed: {allowed}")
+    subject = "afd_cam value"
 
 
 class AFDCamHandoffError(AFDError, RuntimeError):

@@ -6,7 +6,7 @@ any side effect (no workspace write, no native call).
 
 from __future__ import annotations
 
-from afd_core.errors import AFDError
+from afd_core.errors import AFDError, AFDFieldError
 
 __all__ = [
     "BackendUnavailableError",
@@ -17,17 +17,11 @@ __all__ = [
 ]
 
 
-class ComputeError(AFDError, ValueError):
-    """Base class (an ``afd_core`` ``AFDError``).
+class ComputeError(AFDFieldError, ValueError):
+    """Base class (afd-core's :class:`~afd_core.errors.AFDFieldError`, and a ``ValueError``):
+    ``field`` was ``value``; ``allowed`` says what is accepted."""
 
-    ``field`` was ``value``; ``allowed`` says what is accepted.
-    """
-
-    def __init__(self, field: str, value: object, allowed: str) -> None:
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"{field}={value!r} is invalid; allowed: {allowed}")
+    subject = "afd-compute-npu value"
 
 
 class ComputeConfigError(ComputeError):

@@ -1,8 +1,11 @@
-"""AFD config, connector contract and registry, topology, transfer/control metadata, forward-context access, DBO hook, startup coordination and the torch.distributed P2P connector.
+"""AFD config, connector contract and registry, the session layer every transport shares,
+topology, transfer/control metadata, forward-context access, DBO hook, and two transports (the
+torch.distributed P2P connector, the in-process connector).
 
 The names below are re-exported for convenience; each lives in one small module
-(``afd_core.config``, ``.topology``, ``.expert_map``, ``.metadata``, ``.connector``, ``.forward_context``, ``.overlap``,
-``.startup``, ``.errors``, ``.p2p``). vLLM is never imported by this package.
+(``afd_core.config``, ``.topology``, ``.expert_map``, ``.metadata``, ``.connector`` (``base``,
+``session_base``, ``factory``, ``p2p``, ``inprocess``), ``.session``, ``.forward_context``,
+``.overlap``, ``.errors``). vLLM is never imported by this package.
 """
 
 from importlib.metadata import version as _version
@@ -24,7 +27,9 @@ from afd_core.errors import (
     AFDConnectorError,
     AFDContextError,
     AFDError,
+    AFDFieldError,
     AFDHandshakeError,
+    AFDModelError,
     AFDNotInitializedError,
     AFDOverlapError,
     AFDPayloadError,
@@ -33,6 +38,7 @@ from afd_core.errors import (
     AFDReadyHookError,
     AFDRegistryError,
     AFDStartupError,
+    AFDStateError,
     AFDTimeoutError,
 )
 from afd_core.expert_map import ExpertMap
@@ -50,7 +56,7 @@ from afd_core.metadata import (
     AFDTransferMetadata,
 )
 from afd_core.overlap import plan_stages, run_overlapped
-from afd_core.startup import StartupCoordinator, cancel_startup
+from afd_core.session.startup import StartupCoordinator, cancel_startup
 from afd_core.topology import AFDTopology
 
 __version__ = _version("afd-core")
@@ -66,9 +72,11 @@ __all__ = [
     "AFDContextError",
     "AFDControlMessage",
     "AFDError",
+    "AFDFieldError",
     "AFDForwardMetadata",
     "AFDGroupInfo",
     "AFDHandshakeError",
+    "AFDModelError",
     "AFDNotInitializedError",
     "AFDOverlapError",
     "AFDPayload",
@@ -80,6 +88,7 @@ __all__ = [
     "AFDRegistryError",
     "AFDRole",
     "AFDStartupError",
+    "AFDStateError",
     "AFDTimeoutError",
     "AFDTopology",
     "AFDTransferHandle",

@@ -22,12 +22,29 @@ import enum
 import hashlib
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from afd_core.errors import AFDConfigError, AFDRegistryError
+from afd_core.errors import AFDConfigError
+
+ConnectorCheck = Callable[[str, int, Mapping[str, Any]], Mapping[str, Any]]
+"""``(connector name, num_ffn_ranks, connector_extra_config) -> normalised extra config``:
+raises :class:`AFDConfigError` naming ``connector``, ``num_ffn_ranks`` or
+``connector_extra_config.<key>``."""
+
+_CONNECTOR_CHECK: ConnectorCheck | None = None
+
+
+def set_connector_check(check: ConnectorCheck) -> None:
+    """Install the connector part of :class:`AFDConfig` validation. Called once by
+    :mod:`afd_core.connector.factory` when it is imported (``import afd_core`` imports it), so
+    that the config never imports the connector registry (no import cycle config <-> connector).
+    Until it is installed, the connector name and extra config are only checked for shape."""
+    global _CONNECTOR_CHECK
+    _CONNECTOR_CHECK = check
+
 
 __all__ = [
     "ADDITIONAL_CONFIG_FLAG",
@@ -328,27 +345,10 @@ class AFDConfig:
             )
 
         extra = _freeze_extra(self.connector_extra_config)
-        # The selected connector owns (and validates) its extra config.
-        from afd_core.connector import get_connector_class  # local: connector imports config
-
-        try:
-            connector_cls = get_connector_class(connector)
-        except AFDRegistryError:
-            from afd_core.connector import available_connectors
-
-            raise AFDConfigError(
-                "connector",
-                self.connector,
-                f"a registered connector name, one of {list(available_connectors())}",
-            ) from None
-        if self.num_ffn_ranks > 1 and not connector_cls.supports_expert_parallel:
-            raise AFDConfigError(
-                "num_ffn_ranks",
-                self.num_ffn_ranks,
-                f"1 for connector {connector!r} (it does not dispatch to several expert-parallel "
-                "FFN ranks)",
-            )
-        normalized = connector_cls.validate_extra_config(extra)
+        # The selected connector owns (and validates) its extra config; the connector factory
+        # installs that check (see set_connector_check): this module imports no connector code.
+        check = _CONNECTOR_CHECK
+        normalized = extra if check is None else check(connector, self.num_ffn_ranks, extra)
         object.__setattr__(self, "connector_extra_config", MappingProxyType(dict(normalized)))
 
     @staticmethod

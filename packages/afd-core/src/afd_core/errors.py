@@ -1,17 +1,24 @@
 """Exception types of afd-core.
 
 Invariants:
-* Every error raised by afd-core derives from :class:`AFDError`.
+* Every error raised by afd-core derives from :class:`AFDError`; the other AFD packages derive
+  theirs from it too (afd-runtime raises nothing else).
+* An error about one rejected value derives from :class:`AFDFieldError`, the one place that
+  formats ``field`` / ``value`` / ``allowed`` into a message; a package names its errors by
+  setting :attr:`AFDFieldError.subject` instead of formatting its own.
 * Validation errors (:class:`AFDConfigError`, :class:`AFDPayloadError`) are ``ValueError``s that name
   the offending field and value and say what is allowed; they are raised before any side effect
   (no store key written, no byte sent).
+* :class:`AFDModelError` (a loaded model breaks the AFD model contract) and
+  :class:`AFDStateError` (an operation called in a state where it cannot run) mix in no builtin
+  type: nothing that calls AFD code dispatches on one for them.
 * Runtime errors of a connector (:class:`AFDConnectorError` and subclasses) are ``RuntimeError``s;
   :class:`AFDTimeoutError` is also a ``TimeoutError``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 __all__ = [
     "AFDAccessError",
@@ -20,7 +27,9 @@ __all__ = [
     "AFDConnectorError",
     "AFDContextError",
     "AFDError",
+    "AFDFieldError",
     "AFDHandshakeError",
+    "AFDModelError",
     "AFDNotInitializedError",
     "AFDOverlapError",
     "AFDPayloadError",
@@ -29,49 +38,75 @@ __all__ = [
     "AFDReadyHookError",
     "AFDRegistryError",
     "AFDStartupError",
+    "AFDStateError",
     "AFDTimeoutError",
 ]
 
 
 class AFDError(Exception):
-    """Base class of every afd-core error."""
+    """Base class of every AFD error (afd-core's and every other AFD package's)."""
 
 
-class AFDConfigError(AFDError, ValueError):
-    """An invalid configuration value.
+class AFDFieldError(AFDError):
+    """One rejected value: names the field, the value and what is allowed.
+
+    The message is ``invalid <subject> '<field>': got <value!r>; <allowed_label> <allowed>``,
+    followed by `` (<detail>)`` when a detail is given. Subclasses set :attr:`subject` (and, where
+    the wording differs, :attr:`allowed_label`); none formats its own message.
 
     Attributes:
-        field: the configuration field (dotted for nested values, e.g. ``connector_extra_config.x``).
-        value: the rejected value as given.
+        field: the field, argument or tensor at fault (dotted for nested values, e.g.
+            ``connector_extra_config.x``).
+        value: the rejected value as given (a shape or a scalar, never a whole tensor).
         allowed: a human-readable description of what is accepted.
+        detail: extra context appended to the message, or ``None``.
     """
+
+    #: What the message calls the rejected thing (``invalid <subject> 'field': ...``).
+    subject: ClassVar[str] = "AFD value"
+    #: The words that introduce ``allowed`` in the message.
+    allowed_label: ClassVar[str] = "allowed:"
 
     def __init__(self, field: str, value: Any, allowed: str, *, detail: str | None = None) -> None:
         self.field = field
         self.value = value
         self.allowed = allowed
-        msg = f"invalid AFD config field {field!r}: got {value!r}; allowed: {allowed}"
-        if detail:
-            msg = f"{msg} ({detail})"
-        super().__init__(msg)
+        self.detail = detail
+        msg = f"invalid {self.subject} {field!r}: got {value!r}; {self.allowed_label} {allowed}"
+        super().__init__(f"{msg} ({detail})" if detail else msg)
 
 
-class AFDPayloadError(AFDError, ValueError):
+class AFDConfigError(AFDFieldError, ValueError):
+    """An invalid configuration value (a ``ValueError``; see :class:`AFDFieldError`)."""
+
+    subject = "AFD config field"
+
+
+class AFDPayloadError(AFDFieldError, ValueError):
     """A payload or transfer metadata that does not match the agreed wire contract.
 
-    Raised before any byte of the transfer is sent.
-
-    Attributes:
-        field: the payload/metadata field at fault (e.g. ``router_logits``, ``num_tokens``).
-        value: the rejected value (usually a shape, dtype or count).
-        allowed: what the contract expects.
+    Raised before any byte of the transfer is sent. ``field`` is the payload/metadata field at
+    fault (e.g. ``router_logits``, ``num_tokens``), ``value`` usually a shape, dtype or count,
+    ``allowed`` what the contract expects.
     """
 
-    def __init__(self, field: str, value: Any, allowed: str) -> None:
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        super().__init__(f"invalid AFD payload field {field!r}: got {value!r}; expected {allowed}")
+    subject = "AFD payload field"
+    allowed_label = "expected"
+
+
+class AFDModelError(AFDFieldError):
+    """A model (or its weight files) that breaks the AFD model contract a role needs: a missing
+    adapter attribute, an FFN output of the wrong shape or dtype, an unreadable checkpoint header.
+
+    ``field`` names the attribute, output or file property at fault.
+    """
+
+    subject = "AFD model value"
+
+
+class AFDStateError(AFDError):
+    """An operation was called in a state where it cannot run: before the object it needs was
+    built, re-entered while running, or an entry point a role does not serve."""
 
 
 class AFDContextError(AFDError, RuntimeError):
@@ -163,7 +198,7 @@ class AFDStartupError(AFDPeerError):
 
 
 class AFDCancelledError(AFDConnectorError):
-    """A startup wait was cancelled on purpose (:func:`afd_core.startup.cancel_startup`, e.g. by
+    """A startup wait was cancelled on purpose (:func:`afd_core.session.startup.cancel_startup`, e.g. by
     the process's SIGTERM handler): the rank is shutting down, not failing.
 
     Attributes:

@@ -20,6 +20,7 @@ malformed JSON as an unrelated pydantic error, or as "cannot be converted to <fu
 from __future__ import annotations
 
 import importlib.metadata as md
+import importlib.util
 import sys
 from collections.abc import Callable, Sequence
 from typing import Final
@@ -108,6 +109,23 @@ def run_vllm_cli(argv: Sequence[str]) -> None:
 
     sys.argv = ["vllm", *argv]
     vllm_main()
+    exit_if_an_engine_failed()
+
+
+def exit_if_an_engine_failed() -> None:
+    """Exit with status 1 when an AFD engine core of this server died of an error.
+
+    vLLM's API server stops with status 0 once its engine core is dead; for an AFD role that
+    hides a failed role from its supervisor (an FFN whose service loop failed would look like a
+    clean stop). See ``afd_runtime.patches.engine_failures``."""
+    if importlib.util.find_spec("afd_runtime") is None:
+        return
+    from afd_runtime.patches import engine_failures
+
+    failed = engine_failures()
+    if failed:
+        print(f"afd serve: an AFD engine core failed: {'; '.join(failed)}", file=sys.stderr)
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -8,27 +8,15 @@ reaches the caller. All derive from afd-core's :class:`~afd_core.errors.AFDError
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
-from afd_core.errors import AFDError, AFDPayloadError
+from afd_core.errors import AFDFieldError, AFDPayloadError
 
 
-class AFDRemoteError(AFDError, ValueError):
-    """A caller passed an argument afd_remote cannot use.
+class AFDRemoteError(AFDFieldError, ValueError):
+    """A caller passed an argument afd_remote cannot use (``field`` / ``value`` / ``allowed`` as
+    in afd-core's :class:`~afd_core.errors.AFDFieldError`, e.g. ``field="top_k"``)."""
 
-    Attributes:
-        field: the argument at fault (e.g. ``tp_rank``, ``top_k``).
-        value: the rejected value (a shape or a scalar, never a whole tensor).
-        allowed: what is accepted.
-    """
-
-    def __init__(self, field: str, value: Any, allowed: str) -> None:
-        self.field = field
-        self.value = value
-        self.allowed = allowed
-        super().__init__(
-            f"invalid afd_remote argument {field!r}: got {value!r}; allowed: {allowed}"
-        )
+    subject = "afd_remote argument"
 
 
 class UnsupportedPayloadFieldError(AFDPayloadError):

@@ -25,7 +25,7 @@ from typing import Final, Protocol, runtime_checkable
 
 import torch
 from afd_core.config import AFDConfig
-from afd_core.errors import AFDConfigError
+from afd_core.errors import AFDConfigError, AFDModelError, AFDStateError
 from afd_core.metadata import AFDPayloadSpec
 
 #: ``AFDConfig.ffn_compute`` values this runtime serves.
@@ -107,7 +107,7 @@ class NativeFusedMoECompute:
     def step(self, num_tokens: int) -> Iterator[None]:
         """Run the calls of one step inside one inference-mode block and forward context."""
         if self._in_step:
-            raise RuntimeError("NativeFusedMoECompute.step() is not reentrant")
+            raise AFDStateError("NativeFusedMoECompute.step() is not reentrant")
         with torch.inference_mode(), self._step_context(num_tokens):
             self._in_step = True
             try:
@@ -135,9 +135,10 @@ class NativeFusedMoECompute:
             else:
                 out = self._model.afd_ffn_forward(layer_idx, hidden_states, router_logits, topk)
         if out.shape != hidden_states.shape or out.dtype != hidden_states.dtype:
-            raise RuntimeError(
-                f"FFN layer {layer_idx} returned shape={tuple(out.shape)} dtype={out.dtype}; "
-                f"expected shape={tuple(hidden_states.shape)} dtype={hidden_states.dtype}"
+            raise AFDModelError(
+                f"afd_ffn_forward({layer_idx}) output",
+                f"shape={tuple(out.shape)} dtype={out.dtype}",
+                f"shape={tuple(hidden_states.shape)} dtype={hidden_states.dtype} (the input's)",
             )
         return out
 
@@ -167,9 +168,10 @@ def select_ffn_compute(
     """
     name = ffn_compute_name(config)
     if not isinstance(model, AFDFFNModel):
-        raise TypeError(
-            f"FFN model {type(model).__qualname__} does not implement AFDFFNModel "
-            "(afd_moe_layer_indices, afd_ffn_forward)"
+        raise AFDModelError(
+            "model",
+            type(model).__qualname__,
+            "an AFDFFNModel (afd_moe_layer_indices, afd_ffn_forward)",
         )
     if name == "native":
         return NativeFusedMoECompute(model, step_context)

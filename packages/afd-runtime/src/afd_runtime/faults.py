@@ -9,7 +9,7 @@ purpose (a real failure there has no other trigger on CPU):
 * ``ffn_compute``: the FFN role's first expert computation fails while serving (a fatal service
   error, :mod:`afd_runtime.ffn_service`).
 
-An unknown name is refused (``ValueError`` naming the variable, the value and the known names)
+An unknown name is refused (``AFDConfigError`` naming the variable, the value and the known names)
 the first time any fault point asks, so a misspelt fault cannot silently test nothing.
 
 Set ``AFD_INJECT_DELAY_MS=<max>`` to make a role sleep a random 0..max milliseconds (seeded, so a
@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable
 from typing import Final
 
+from afd_core.errors import AFDConfigError, AFDError
+
 #: Environment variable naming the fault to inject.
 FAULT_ENV: Final[str] = "AFD_INJECT_FAULT"
 #: The faults a role can be told to inject.
@@ -34,17 +36,17 @@ KNOWN_FAULTS: Final[tuple[str, ...]] = ("ffn_compute", "ffn_load", "mega_bind")
 DELAY_ENV: Final[str] = "AFD_INJECT_DELAY_MS"
 
 
-class InjectedFaultError(RuntimeError):
+class InjectedFaultError(AFDError):
     """The failure raised at a fault point named by ``AFD_INJECT_FAULT``."""
 
 
 def fault_injected(name: str) -> bool:
     """True when ``AFD_INJECT_FAULT`` names ``name`` (one of :data:`KNOWN_FAULTS`)."""
     if name not in KNOWN_FAULTS:
-        raise ValueError(f"fault point {name!r} is not one of {KNOWN_FAULTS}")
+        raise AFDConfigError("fault point", name, f"one of {KNOWN_FAULTS}")
     value = os.environ.get(FAULT_ENV, "")
     if value and value not in KNOWN_FAULTS:
-        raise ValueError(f"{FAULT_ENV}={value!r}; allowed: one of {KNOWN_FAULTS} or unset")
+        raise AFDConfigError(FAULT_ENV, value, f"one of {KNOWN_FAULTS} or unset")
     return value == name
 
 
@@ -60,7 +62,7 @@ def delay_injector(seed: str) -> Callable[[], None] | None:
     seeded by ``seed``), or ``None`` when the variable is unset or empty.
 
     Raises:
-        ValueError: the variable is not a finite number of milliseconds >= 0.
+        AFDConfigError: the variable is not a finite number of milliseconds >= 0.
     """
     text = os.environ.get(DELAY_ENV, "").strip()
     if not text:
@@ -70,7 +72,7 @@ def delay_injector(seed: str) -> Callable[[], None] | None:
     except ValueError:
         bound_ms = -1.0
     if not 0 <= bound_ms < float("inf"):
-        raise ValueError(f"{DELAY_ENV}={text!r}; allowed: milliseconds >= 0, or unset")
+        raise AFDConfigError(DELAY_ENV, text, "milliseconds >= 0, or unset")
     rng = random.Random(seed)
 
     def sleep() -> None:

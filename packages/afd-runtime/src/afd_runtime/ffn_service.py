@@ -35,9 +35,11 @@ Lifecycle and failures:
   appears (each attempt bounded by ``startup_timeout_s``); the FFN outlives its Attention
   deployment: a shutdown control message (the Attention role's goodbye) or a lost peer closes
   the connector and the loop waits for the next deployment.
-* A handshake disagreement (different AFD settings, model shapes or, between FFN ranks,
-  quantization geometry), a failing ready hook (a Mega bind) and a protocol violation are
-  fatal, and so is a compute error: it is published through the connector
+* A handshake disagreement with an Attention rank (different AFD settings, model shapes or
+  checkpoint) refuses that Attention deployment (it fails its own start naming the field) and
+  the FFN keeps waiting for a matching one: a misconfigured Attention cannot take a running FFN
+  down. A disagreement between FFN ranks (quantization geometry), a failing ready hook (a Mega
+  bind) and a protocol violation are fatal, and so is a compute error: it is published through the connector
   (:meth:`afd_core.connector.AFDConnectorBase.abort`), so the Attention ranks' waits fail at once
   with this rank's error text, and then re-raised by :meth:`FFNService.raise_if_failed`.
 * A startup cancelled by SIGTERM/SIGINT (:class:`afd_core.errors.AFDCancelledError`, see
@@ -60,7 +62,9 @@ from afd_core.config import AFDConfig
 from afd_core.connector import AFDConnectorBase
 from afd_core.errors import (
     AFDCancelledError,
+    AFDError,
     AFDHandshakeError,
+    AFDModelError,
     AFDPeerError,
     AFDProtocolError,
     AFDTimeoutError,
@@ -88,7 +92,7 @@ STATS_FORMAT = (
 ConnectorFactory = Callable[[], AFDConnectorBase]
 
 
-class FFNServiceError(RuntimeError):
+class FFNServiceError(AFDError):
     """The FFN service loop failed; ``__cause__`` holds the original error."""
 
 
@@ -158,11 +162,14 @@ class FFNService:
         connector_factory: ConnectorFactory,
     ) -> None:
         if not layer_indices:
-            raise ValueError("layer_indices is empty; allowed: at least one MoE layer index")
+            raise AFDModelError(
+                "layer_indices", list(layer_indices), "at least one MoE layer index"
+            )
         self.config = config
         self.ffn_rank = ffn_rank
         topology = AFDTopology.from_config(config)
         topology.check_role_rank("ffn", ffn_rank)
+        self.topology = topology
         self.num_peers = len(topology.attention_ranks_for(ffn_rank))
         self.expert_parallel = topology.expert_parallel
         self.layer_indices = tuple(layer_indices)
@@ -179,6 +186,8 @@ class FFNService:
         self._thread: threading.Thread | None = None
         self.stats = FFNServiceStats()
         self.deployments = 0  # Attention deployments served (initialised connectors)
+        self.refusals = 0  # Attention deployments refused at the handshake
+        self._last_refusal = ""
         self._printed: tuple[int, int, int] = (0, 0, 0)
         self._printed_at = 0.0
 
@@ -242,8 +251,9 @@ class FFNService:
         """Initialise a connector with the next Attention deployment; ``None`` when stopped.
 
         Waiting is unbounded (an FFN may start first or outlive its Attention deployment);
-        a disagreement and a failing ready hook (a Mega bind, ``AFDReadyHookError``) are fatal:
-        retrying could not change them."""
+        an Attention deployment that disagrees is refused and waited past; a disagreement
+        between FFN ranks and a failing ready hook (a Mega bind, ``AFDReadyHookError``) are
+        fatal: retrying could not change them."""
         while not self._stop.is_set():
             connector = self._factory()
             self._idle.set()
@@ -254,8 +264,12 @@ class FFNService:
                 connector.close()
                 logger.info("AFD FFN rank %d: %s", self.ffn_rank, exc)
                 return None
-            except AFDHandshakeError:
-                raise
+            except AFDHandshakeError as exc:
+                connector.close()
+                if not self._refuse_attention(exc):
+                    raise
+                self._stop.wait(CONNECT_RETRY_S)
+                continue
             except (AFDTimeoutError, AFDPeerError) as exc:
                 connector.close()
                 logger.info("AFD FFN rank %d waiting for Attention: %s", self.ffn_rank, exc)
@@ -273,6 +287,25 @@ class FFNService:
             )
             return connector
         return None
+
+    def _refuse_attention(self, exc: AFDHandshakeError) -> bool:
+        """True when ``exc`` is a disagreement with an Attention rank: that deployment is
+        refused (it fails its own start naming the same field) and this FFN rank keeps waiting
+        for a matching one. A disagreement between FFN ranks stays fatal."""
+        attention_ranks = self.topology.num_attention_ranks
+        if not 0 <= exc.peer_rank < attention_ranks:
+            return False
+        text = str(exc)
+        if text != self._last_refusal:
+            self._last_refusal = text
+            logger.error(
+                "AFD FFN rank %d refused an Attention deployment and keeps waiting for one that "
+                "matches: %s",
+                self.ffn_rank,
+                text,
+            )
+        self.refusals += 1
+        return True
 
     def _serve(self, connector: AFDConnectorBase) -> None:
         """Serve steps until the deployment says goodbye or is lost (returns), or a fatal

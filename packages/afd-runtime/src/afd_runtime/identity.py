@@ -50,6 +50,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from afd_core.errors import AFDModelError
+
 __all__ = [
     "EXCLUDED_CONFIG_KEYS",
     "SAMPLE_BYTES",
@@ -134,7 +136,7 @@ def weight_file_identity(path: Path) -> dict[str, Any]:
     """``{"size", "header", "samples"}`` of one weight file (see the module docstring).
 
     Raises:
-        ValueError: a ``.safetensors`` file whose header length exceeds the file.
+        AFDModelError: a ``.safetensors`` file whose header length exceeds the file.
         OSError: the file cannot be read.
     """
     path = Path(path)
@@ -147,8 +149,11 @@ def weight_file_identity(path: Path) -> dict[str, Any]:
             raw_len = f.read(8)
             header_len = struct.unpack("<Q", raw_len)[0] if len(raw_len) == 8 else size
             if 8 + header_len > size:
-                raise ValueError(
-                    f"{path}: safetensors header length {header_len} exceeds the file size {size}"
+                raise AFDModelError(
+                    "safetensors header length",
+                    header_len,
+                    f"at most {max(size - 8, 0)} (the file size {size} less the 8-byte length)",
+                    detail=str(path),
                 )
             header_digest = hashlib.sha256(f.read(header_len)).hexdigest()
             data_start = 8 + header_len

@@ -38,7 +38,10 @@
    end it with ``SystemExit(0)`` instead of ``KeyboardInterrupt`` when SIGTERM stopped it
    (the engine cores are stopped by vLLM's own cleanup; their AFD startup wait ends on the
    SIGTERM they get, see :mod:`afd_runtime.signals`). SIGINT keeps vLLM's
-   ``KeyboardInterrupt``. No AFD: unchanged.
+   ``KeyboardInterrupt``. It also records the engine-core processes it started
+   (:func:`record_engine_processes`): vLLM's API server exits with status 0 when its engine
+   core died, and ``afd serve`` asks :func:`engine_failures` to exit with 1 instead. No AFD:
+   unchanged.
 
 Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
 not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
@@ -54,9 +57,9 @@ import signal
 from collections.abc import Callable
 from typing import Any, Final
 
-from afd_core.access import deployment_secret
 from afd_core.config import AFDConfig, AFDRole, parse_additional_config_json, parse_afd_config
 from afd_core.errors import AFDConfigError
+from afd_core.session.access import deployment_secret
 
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
 from afd_runtime.signals import termination_reaches_main_thread
@@ -210,8 +213,8 @@ def select_afd_worker(
     deployment_secret(cfg.host)
     current = pc.worker_cls
     if not isinstance(current, str):
-        raise ValueError(
-            f"parallel_config.worker_cls must be a qualname string for AFD (got {type(current)})"
+        raise AFDConfigError(
+            "parallel_config.worker_cls", type(current).__qualname__, "a worker qualname string"
         )
     pc.worker_cls = afd_worker_qualname(cfg.role.value, current)
     if cfg.role is AFDRole.FFN:
@@ -303,9 +306,38 @@ def engine_client_init(original: Callable[..., None]) -> Callable[..., None]:
                 gc.freeze()  # no final cyclic-GC pass over the API server's heap at exit
                 raise SystemExit(0) from None
             raise
+        record_engine_processes(self)
 
     setattr(__init__, _MARK, True)
     return __init__
+
+
+#: The engine-core processes of this API server's AFD engine clients (see
+#: :func:`engine_failures`).
+_engine_processes: list[Any] = []
+
+
+def record_engine_processes(client: Any) -> int:
+    """Remember ``client``'s engine-core processes (vLLM's local process manager); returns how
+    many. Engines vLLM does not start as local processes (Ray) are not recorded."""
+    manager = getattr(getattr(client, "resources", None), "engine_manager", None)
+    procs = list(getattr(manager, "processes", None) or ())
+    _engine_processes.extend(procs)
+    return len(procs)
+
+
+def engine_failures() -> list[str]:
+    """The recorded AFD engine cores that ended in failure: a non-zero exit code other than
+    SIGTERM's (the stop vLLM's own shutdown asks for), e.g. 1 when the FFN service loop raised.
+
+    vLLM's API server ends normally (status 0) once its engine core died; ``afd serve`` exits
+    with status 1 instead when this list is not empty, so a supervisor sees a failed role."""
+    out = []
+    for proc in _engine_processes:
+        code = proc.exitcode
+        if code is not None and code not in (0, -signal.SIGTERM):
+            out.append(f"{proc.name} (pid {proc.pid}) exited with code {code}")
+    return out
 
 
 def apply_vllm_patches() -> None:

@@ -38,6 +38,7 @@ from afd_compute_npu import (
     ReferenceBackend,
 )
 from afd_core.connector import AFDConnectorBase
+from afd_core.errors import AFDConfigError, AFDPayloadError
 from afd_core.metadata import AFDPayloadSpec
 from afd_weights import QuantizedExpertWeights
 
@@ -100,7 +101,7 @@ class QuantizedFFNCompute:
         device: torch.device | str = "cpu",
     ) -> None:
         if kind not in ("layered", "mega"):
-            raise ValueError(f"kind={kind!r}; allowed: 'layered', 'mega'")
+            raise AFDConfigError("ffn_compute", kind, "'layered', 'mega'")
         self.name = kind
         self._model = model
         self.weights = model.afd_quantized_weights
@@ -211,9 +212,11 @@ class QuantizedFFNCompute:
     ) -> torch.Tensor:
         if input_ids is not None:
             # Adapters refuse this at construction; this guards any other model.
-            raise ValueError(
-                f"input_ids given to ffn_compute={self.name!r} (layer {layer_idx}); token-id "
-                "routed models (DeepSeek-V4 hash layers) allowed with: ffn_compute='native'"
+            raise AFDPayloadError(
+                "input_ids",
+                f"given to ffn_compute={self.name!r} (layer {layer_idx})",
+                "no input_ids; token-id routed models (DeepSeek-V4 hash layers) need "
+                "ffn_compute='native'",
             )
         weights, ids = self._model.afd_route(layer_idx, hidden_states, router_logits, topk)
         compute = self._compute

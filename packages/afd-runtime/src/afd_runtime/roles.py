@@ -6,7 +6,7 @@ number a role reports (:func:`model_param_bytes`) and prints it (:func:`report_p
 
 Invariants:
 * :func:`require_afd_config` returns the parsed ``additional_config["afd"]`` whose role equals the
-  worker's role, or raises ``ValueError`` naming the field and values.
+  worker's role, or raises :class:`~afd_core.errors.AFDConfigError` naming the field and values.
 * The role rank of a worker is its vLLM data-parallel rank; tensor and pipeline parallelism inside
   one role are not supported yet and are rejected with an error naming the setting.
 """
@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from afd_core.config import AFDConfig, AFDRole, parse_afd_config
+from afd_core.errors import AFDConfigError
 from afd_weights import param_bytes
 
 logger = logging.getLogger(__name__)
@@ -30,13 +31,18 @@ def require_afd_config(vllm_config: Any, role: AFDRole) -> AFDConfig:
     """The AFD config of ``vllm_config``; it must exist and name ``role``."""
     cfg = parse_afd_config(getattr(vllm_config, "additional_config", None))
     if cfg is None:
-        raise ValueError(
-            f"additional_config['afd'] is missing; an AFD {role.value} worker needs it"
+        raise AFDConfigError(
+            "additional_config['afd']",
+            None,
+            f"an AFD config with role={role.value!r}",
+            detail=f"additional_config['afd'] is missing; an AFD {role.value} worker needs it",
         )
     if cfg.role is not role:
-        raise ValueError(
-            f"additional_config['afd']['role']={cfg.role.value!r} but this is the AFD "
-            f"{role.value} worker; allowed: {role.value!r}"
+        raise AFDConfigError(
+            "afd.role",
+            cfg.role.value,
+            repr(role.value),
+            detail=f"this is the AFD {role.value} worker",
         )
     return cfg
 
@@ -48,9 +54,11 @@ def role_rank(vllm_config: Any, cfg: AFDConfig) -> int:
     for name in ("tensor_parallel_size", "pipeline_parallel_size"):
         size = int(getattr(pc, name, 1))
         if size != 1:
-            raise ValueError(
-                f"parallel_config.{name}={size} is not supported by AFD yet; allowed: 1 "
-                "(scale the attention role with --data-parallel-size)"
+            raise AFDConfigError(
+                f"parallel_config.{name}",
+                size,
+                "1 (scale the attention role with --data-parallel-size)",
+                detail="not supported by AFD yet",
             )
     if cfg.role is AFDRole.FFN:
         # One process per FFN rank (vLLM data parallelism is refused on the FFN role): the
@@ -63,9 +71,11 @@ def role_rank(vllm_config: Any, cfg: AFDConfig) -> int:
     expected = cfg.num_attention_ranks
     if not 0 <= rank < expected:
         field = "num_attention_ranks" if cfg.role is AFDRole.ATTENTION else "num_ffn_ranks"
-        raise ValueError(
-            f"this {cfg.role.value} worker has data-parallel rank {rank} but afd.{field}="
-            f"{expected}; allowed: ranks 0..{expected - 1} (--data-parallel-size {expected})"
+        raise AFDConfigError(
+            "parallel_config.data_parallel_rank",
+            rank,
+            f"ranks 0..{expected - 1} (--data-parallel-size {expected})",
+            detail=f"this {cfg.role.value} worker's afd.{field}={expected}",
         )
     return rank
 

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Iterator
 from types import FrameType
 from typing import Any, Final
 
-from afd_core.startup import cancel_startup
+from afd_core.session.startup import cancel_startup
 
 # Under "vllm.": in an API server process only vLLM's logger tree has handlers.
 logger = logging.getLogger("vllm.afd.signals")

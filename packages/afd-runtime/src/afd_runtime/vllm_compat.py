@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from typing import Final
 
+from afd_core.errors import AFDError
+
 SUPPORTED_VLLM_SERIES: Final[str] = "0.32."
 
 
-class UnsupportedVLLMError(RuntimeError):
+class UnsupportedVLLMError(AFDError):
     """The installed vLLM is not a supported version."""
 
 

@@ -6,27 +6,25 @@ raised before any side effect (no tensor is copied, packed or registered when va
 
 from __future__ import annotations
 
-from afd_core.errors import AFDError
+from afd_core.errors import AFDFieldError
 
 __all__ = ["QuantizationError", "WeightLayoutError", "WeightsError"]
 
 
-class WeightsError(AFDError, ValueError):
-    """Base class of every afd-weights error (an ``afd_core`` ``AFDError`` and a ``ValueError``).
+class WeightsError(AFDFieldError, ValueError):
+    """Base class of every afd-weights error (afd-core's
+    :class:`~afd_core.errors.AFDFieldError`, and a ``ValueError``).
 
-    Attributes:
-        field: the argument, attribute or tensor name that was rejected.
-        value: the rejected value (or a short description of it, e.g. a shape).
-        allowed: what would have been accepted.
+    ``field`` is the argument, attribute or tensor name that was rejected, ``value`` the rejected
+    value (or a short description of it, e.g. a shape), ``allowed`` what would have been accepted;
+    ``context`` (optional, e.g. ``"layer 3"``) says where, and is the message's detail.
     """
 
+    subject = "afd-weights value"
+
     def __init__(self, field: str, value: object, allowed: str, *, context: str = "") -> None:
-        self.field = field
-        self.value = value
-        self.allowed = allowed
         self.context = context
-        prefix = f"{context}: " if context else ""
-        super().__init__(f"{prefix}{field}={value!r} is invalid; allowed: {allowed}")
+        super().__init__(field, value, allowed, detail=context or None)
 
 
 class WeightLayoutError(WeightsError):

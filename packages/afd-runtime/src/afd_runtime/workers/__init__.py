@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Final
 
+from afd_core.errors import AFDConfigError
+
 #: vLLM platform default worker -> (attention worker, ffn worker) qualnames.
 AFD_WORKERS: Final[dict[str, tuple[str, str]]] = {
     "vllm.v1.worker.cpu_worker.CPUWorker": (
@@ -28,19 +30,21 @@ AFD_WORKERS: Final[dict[str, tuple[str, str]]] = {
 def afd_worker_qualname(role: str, platform_worker: str) -> str:
     """The AFD worker for ``role`` on the platform whose default worker is ``platform_worker``.
 
-    An AFD worker passed back in (already selected) is returned unchanged. Raises ``ValueError``
+    An AFD worker passed back in (already selected) is returned unchanged. Raises ``AFDConfigError``
     naming ``parallel_config.worker_cls`` for a platform without AFD workers.
     """
     if role not in ("attention", "ffn"):
-        raise ValueError(f"afd.role={role!r}; allowed: 'attention', 'ffn'")
+        raise AFDConfigError("role", role, "'attention', 'ffn'")
     normalized = platform_worker.replace(":", ".")
     idx = 0 if role == "attention" else 1
     for pair in AFD_WORKERS.values():
         if normalized == pair[idx]:
             return normalized
     if normalized not in AFD_WORKERS:
-        raise ValueError(
-            f"parallel_config.worker_cls={platform_worker!r} has no AFD {role} worker; allowed "
-            f"platform workers: {sorted(AFD_WORKERS)} (leave --worker-cls unset)"
+        raise AFDConfigError(
+            "parallel_config.worker_cls",
+            platform_worker,
+            f"platform workers: {sorted(AFD_WORKERS)} (leave --worker-cls unset)",
+            detail=f"no AFD {role} worker for it",
         )
     return AFD_WORKERS[normalized][idx]

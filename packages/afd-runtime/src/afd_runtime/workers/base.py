@@ -38,7 +38,7 @@ from afd_core.connector import (
     create_connector,
     get_connector_class,
 )
-from afd_core.errors import AFDCancelledError
+from afd_core.errors import AFDCancelledError, AFDModelError, AFDPayloadError, AFDStateError
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 
@@ -90,7 +90,9 @@ def _num_tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         return int(embeds.shape[0])
     positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
     if positions is None:
-        raise ValueError("cannot infer num_tokens: the forward got no input_ids/embeds/positions")
+        raise AFDPayloadError(
+            "positions", None, "input_ids, inputs_embeds or positions (to infer num_tokens)"
+        )
     return int(positions.shape[-1])
 
 
@@ -227,10 +229,11 @@ class AFDAttentionWorkerMixin:
         spec = getattr(model, "afd_payload_spec", None)
         layers = getattr(model, "afd_moe_layer_indices", None)
         if not isinstance(spec, AFDPayloadSpec) or not layers:
-            raise TypeError(
-                f"the Attention role loaded {type(model).__qualname__}, which is not an AFD "
-                "Attention model (afd_payload_spec, afd_moe_layer_indices); is the afd-models "
-                "plugin installed?"
+            raise AFDModelError(
+                "model",
+                type(model).__qualname__,
+                "an AFD Attention model (afd_payload_spec, afd_moe_layer_indices)",
+                detail="the Attention role loaded it; is the afd-models plugin installed?",
             )
         connector = build_connector(
             cfg,
@@ -301,9 +304,11 @@ class AFDFFNWorkerMixin:
         model = self.model_runner.get_model()
         report_param_bytes(AFDRole.FFN, model)
         if not isinstance(model, AFDFFNModel):
-            raise TypeError(
-                f"the FFN role loaded {type(model).__qualname__}, which is not an AFD FFN model; "
-                "is the afd-models plugin installed?"
+            raise AFDModelError(
+                "model",
+                type(model).__qualname__,
+                "an AFD FFN model (AFDFFNModel)",
+                detail="the FFN role loaded it; is the afd-models plugin installed?",
             )
         device = _worker_device(self)
         sched = getattr(self.vllm_config, "scheduler_config", None)
@@ -360,16 +365,16 @@ class AFDFFNWorkerMixin:
         return None
 
     def execute_model(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(FFN_EXECUTE_ERROR)
+        raise AFDStateError(FFN_EXECUTE_ERROR)
 
     def execute_dummy_batch(self) -> None:
-        raise RuntimeError(FFN_EXECUTE_ERROR)
+        raise AFDStateError(FFN_EXECUTE_ERROR)
 
     # --- RPCs used by the patched engine loop -------------------------------------------------
     def afd_ffn_start(self) -> None:
         """Start the service (idempotent)."""
         if self._afd_service is None:
-            raise RuntimeError("AFD FFN service not built: load_model() has not run")
+            raise AFDStateError("AFD FFN service not built: load_model() has not run")
         self._afd_service.start()
 
     def afd_ffn_wait(self, timeout_s: float) -> bool:
@@ -379,7 +384,7 @@ class AFDFFNWorkerMixin:
         sleeps here instead of spinning in vLLM's RPC reader beside the service thread."""
         service = self._afd_service
         if service is None:
-            raise RuntimeError("AFD FFN service not built: load_model() has not run")
+            raise AFDStateError("AFD FFN service not built: load_model() has not run")
         service.wait(timeout_s)
         service.raise_if_failed()
         return True

@@ -1,4 +1,4 @@
-"""The connector contract every AFD transport implements, and the connector registry.
+"""The connector contract every AFD transport implements (the registry is :mod:`afd_core.connector.factory`).
 
 Call protocol (one step; ``S`` stages, ``L`` layers; both roles follow the same order)::
 
@@ -21,8 +21,9 @@ Invariants:
 * A handle returned by :meth:`send_attn_output` is consumed by exactly one
   :meth:`recv_ffn_output`.
 
-Registry: built-in connectors are registered by name (``"p2p"``); third-party distributions add
-connectors through the ``afd.connectors`` entry-point group (``name = "pkg.module:ConnectorClass"``).
+Transports built on the shared session layer (:mod:`afd_core.session`: rendezvous, rounds,
+handshake, liveness, failure publication, goodbye) derive from
+:class:`afd_core.connector.session_base.AFDSessionConnector` and implement only byte movement.
 """
 
 from __future__ import annotations
@@ -33,32 +34,23 @@ import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from importlib import import_module
-from importlib.metadata import entry_points
 from types import TracebackType
 from typing import Any, ClassVar
 
 import torch
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.errors import AFDConfigError, AFDConnectorError, AFDRegistryError
+from afd_core.errors import AFDConfigError, AFDConnectorError, AFDProtocolError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
 from afd_core.topology import AFDTopology
 
 __all__ = [
-    "CONNECTOR_ENTRY_POINT_GROUP",
     "AFDConnectorBase",
     "AFDGroupInfo",
     "AFDTransferHandle",
     "ReadyHook",
-    "available_connectors",
-    "create_connector",
-    "get_connector_class",
-    "register_connector",
-    "unregister_connector",
+    "merge_control_messages",
 ]
-
-CONNECTOR_ENTRY_POINT_GROUP = "afd.connectors"
 
 
 @dataclass(frozen=True)
@@ -397,131 +389,30 @@ class AFDConnectorBase(ABC):
         raise AFDConnectorError(f"connector {self.name!r} has no control plane")
 
 
-# ------------------------------------------------------------------------------------------
-# Registry
-
-ConnectorClass = type[AFDConnectorBase]
-_registry: dict[str, ConnectorClass | Callable[[], ConnectorClass]] = {}
-_registry_lock = threading.Lock()
-_entry_points_loaded = False
-
-
-def _builtin(module: str, attr: str) -> Callable[[], ConnectorClass]:
-    def load() -> ConnectorClass:
-        cls = getattr(import_module(module), attr)
-        return _check_class(f"{module}.{attr}", cls)
-
-    return load
-
-
-def _check_class(origin: str, cls: Any) -> ConnectorClass:
-    if not (isinstance(cls, type) and issubclass(cls, AFDConnectorBase)):
-        raise AFDRegistryError(f"{origin} is not an AFDConnectorBase subclass")
-    return cls
-
-
-def register_connector(
-    name: str,
-    cls: ConnectorClass | Callable[[], ConnectorClass],
-    *,
-    replace: bool = False,
-) -> None:
-    """Register ``cls`` (a connector class, or a zero-arg loader returning one) under ``name``.
+def merge_control_messages(
+    messages: Sequence[AFDControlMessage], served: Sequence[int]
+) -> AFDControlMessage:
+    """An FFN rank's view of a step: the control messages of its served Attention ranks
+    (``served``: their world ranks, same order; each message of width 1) merged into one, one
+    count per served rank per stage (one served rank: its message itself).
 
     Raises:
-        AFDRegistryError: empty name, not a connector class, or a duplicate without ``replace``.
+        AFDProtocolError: the served ranks disagree on the stage count or a flag.
     """
-    if not isinstance(name, str) or not name.strip():
-        raise AFDRegistryError(f"connector name must be a non-empty string, got {name!r}")
-    if isinstance(cls, type):
-        _check_class(name, cls)
-    elif not callable(cls):
-        raise AFDRegistryError(f"connector {name!r} must be a class or a loader, got {cls!r}")
-    with _registry_lock:
-        if name in _registry and not replace:
-            raise AFDRegistryError(f"connector {name!r} is already registered")
-        _registry[name] = cls
-
-
-def unregister_connector(name: str) -> None:
-    """Remove ``name`` from the registry (no-op when absent)."""
-    with _registry_lock:
-        _registry.pop(name, None)
-
-
-def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for ep in entry_points(group=CONNECTOR_ENTRY_POINT_GROUP):
-        with _registry_lock:
-            if ep.name in _registry:
-                continue
-
-            def load(ep: Any = ep) -> ConnectorClass:
-                return _check_class(f"entry point {ep.name}={ep.value}", ep.load())
-
-            _registry[ep.name] = load
-
-
-def available_connectors() -> tuple[str, ...]:
-    """Registered names (built-ins and entry points), sorted."""
-    _load_entry_points()
-    with _registry_lock:
-        return tuple(sorted(_registry))
-
-
-def get_connector_class(name: str) -> ConnectorClass:
-    """The connector class registered as ``name`` (resolving lazy loaders).
-
-    Raises:
-        AFDRegistryError: unknown name, or the registration does not resolve to a connector class.
-    """
-    _load_entry_points()
-    with _registry_lock:
-        entry = _registry.get(name)
-    if entry is None:
-        raise AFDRegistryError(f"unknown AFD connector {name!r}; registered: {sorted(_registry)}")
-    if isinstance(entry, type):
-        return entry
-    cls = _check_class(name, entry())
-    with _registry_lock:
-        _registry[name] = cls
-    return cls
-
-
-def create_connector(
-    config: AFDConfig,
-    role_rank: int,
-    *,
-    payload_spec: AFDPayloadSpec,
-    num_layers: int,
-    device: torch.device | str | None = None,
-    topology: AFDTopology | None = None,
-    role_agreement: Mapping[str, Any] | None = None,
-    ready_hook: ReadyHook | None = None,
-    model_identity: Mapping[str, Any] | None = None,
-) -> AFDConnectorBase:
-    """Construct (not initialise) the connector ``config.connector`` for ``role_rank``
-    (``role_agreement``, ``ready_hook`` and ``model_identity``: see :class:`AFDConnectorBase`)."""
-    cls = get_connector_class(config.connector)
-    kwargs: dict[str, Any] = {}
-    if role_agreement is not None:
-        kwargs["role_agreement"] = role_agreement
-    if ready_hook is not None:
-        kwargs["ready_hook"] = ready_hook
-    if model_identity is not None:
-        kwargs["model_identity"] = model_identity
-    return cls(
-        config,
-        topology,
-        role_rank,
-        payload_spec=payload_spec,
-        num_layers=num_layers,
-        device=device,
-        **kwargs,
+    first = messages[0]
+    for src, msg in zip(served[1:], messages[1:], strict=True):
+        for name in ("num_stages", "is_warmup", "is_capture", "shutdown"):
+            if getattr(msg, name) != getattr(first, name):
+                raise AFDProtocolError(
+                    f"served Attention ranks disagree on {name}: world rank "
+                    f"{served[0]} sent {getattr(first, name)!r}, world rank {src} "
+                    f"sent {getattr(msg, name)!r}"
+                )
+    if len(messages) == 1:
+        return first
+    return AFDControlMessage(
+        tuple(tuple(m.stage_token_counts[s][0] for m in messages) for s in range(first.num_stages)),
+        is_warmup=first.is_warmup,
+        is_capture=first.is_capture,
+        shutdown=first.shutdown,
     )
-
-
-register_connector("p2p", _builtin("afd_core.p2p", "P2PConnector"))

@@ -1,4 +1,5 @@
-"""What every P2P rank publishes at ``init`` and how two ranks' publications are compared.
+"""What every rank of a session publishes at ``init`` and how two ranks' publications are compared
+(every transport: the session runs this handshake, see :mod:`afd_core.session`).
 
 Every field must match on every rank of the world; the first difference raises
 :class:`AFDHandshakeError` naming it (the protocol version first, then each config agreement
@@ -22,7 +23,6 @@ import torch
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDHandshakeError
 from afd_core.metadata import PAYLOAD_FIELDS, AFDPayloadSpec, dtype_name
-from afd_core.p2p.wire import PROTOCOL_VERSION
 from afd_core.topology import AFDTopology
 
 
@@ -34,13 +34,16 @@ def _handshake_fields(
     device: torch.device,
     role_agreement: Mapping[str, Any] | None = None,
     model_identity: Mapping[str, Any] | None = None,
+    *,
+    protocol_version: int,
 ) -> dict[str, Any]:
     """The handshake publication of a rank with this config, topology, spec and device
-    (``model_identity`` already in its canonical JSON form, see ``AFDConnectorBase``)."""
+    (``model_identity`` already in its canonical JSON form, see ``AFDConnectorBase``;
+    ``protocol_version``: the transport's wire protocol, compared first)."""
     return {
         "role": config.role.value,
         "role_agreement": dict(role_agreement or {}),
-        "protocol_version": PROTOCOL_VERSION,
+        "protocol_version": protocol_version,
         "config": config.agreement_fields(),
         "config_hash": config.agreement_hash(),
         "hidden_size": payload_spec.hidden_size,

@@ -1,7 +1,7 @@
 """The registered P2P connector class and its ``connector_extra_config`` keys.
 
-:class:`P2PConnector` puts the two roles' operations together (:mod:`afd_core.p2p.attention`,
-:mod:`afd_core.p2p.ffn`, and the expert-parallel data plane :mod:`afd_core.p2p.expert_parallel`) on the shared state and lifecycle of :mod:`afd_core.p2p.lifecycle`.
+:class:`P2PConnector` puts the two roles' operations together (:mod:`afd_core.connector.p2p.attention`,
+:mod:`afd_core.connector.p2p.ffn`, and the expert-parallel data plane :mod:`afd_core.connector.p2p.expert_parallel`) on the shared state and lifecycle of :mod:`afd_core.connector.p2p.lifecycle`.
 """
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from afd_core.connector.p2p.attention import _AttentionSide
+from afd_core.connector.p2p.expert_parallel import _ExpertParallelSide
+from afd_core.connector.p2p.ffn import _FFNSide
 from afd_core.errors import AFDConfigError
-from afd_core.p2p.attention import _AttentionSide
-from afd_core.p2p.expert_parallel import _ExpertParallelSide
-from afd_core.p2p.ffn import _FFNSide
 
 __all__ = ["P2PConnector"]
 
@@ -22,7 +22,7 @@ _EXTRA_KEYS = _BOOL_KEYS | _INT_KEYS
 
 
 class P2PConnector(_AttentionSide, _FFNSide, _ExpertParallelSide):
-    """Point-to-point AFD connector on torch.distributed (see :mod:`afd_core.p2p`)."""
+    """Point-to-point AFD connector on torch.distributed (see :mod:`afd_core.connector.p2p`)."""
 
     name = "p2p"
     has_control_plane = True
@@ -35,9 +35,9 @@ class P2PConnector(_AttentionSide, _FFNSide, _ExpertParallelSide):
         * ``check_sequence`` (default false): send a 3-word header (layer, stage, tokens) before
           every Attention payload and verify it on the FFN side (catches out-of-order calls).
         * ``recv_ahead`` (default true): the FFN side posts each stage's next receives early (see
-          :mod:`afd_core.p2p`). Set false for call patterns where a step ends before layer
+          :mod:`afd_core.connector.p2p`). Set false for call patterns where a step ends before layer
           ``num_layers - 1`` and the next step changes that stage's token counts.
-        * ``recv_ahead_bytes`` (int >= 0, default :data:`~afd_core.p2p.RECV_AHEAD_BYTES`,
+        * ``recv_ahead_bytes`` (int >= 0, default :data:`~afd_core.connector.p2p.RECV_AHEAD_BYTES`,
           2 MiB): how many of a stage's receives per served Attention rank the FFN side keeps
           posted ahead: as many transfers as fit in these bytes (at most the layers left in the
           step), none for a transfer larger than this (it is received into the buffer its caller

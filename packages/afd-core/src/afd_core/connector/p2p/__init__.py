@@ -1,5 +1,8 @@
 """The torch.distributed point-to-point connector (registered as ``"p2p"``).
 
+Its session steps (1, 2, 4 and the failure publication below) are the shared session of
+:mod:`afd_core.session`; this package moves bytes on the process groups it builds in step 3.
+
 World: its own ``A + F`` ranks (Attention first, see :mod:`afd_core.topology`) on a TCPStore at
 ``config.host:config.port`` served by world rank 0; vLLM's process groups are never used.
 
@@ -81,21 +84,22 @@ Invariants:
 
 Modules:
 
-* :mod:`~afd_core.p2p.connector`: :class:`P2PConnector`, the registered class, and its
+* :mod:`~afd_core.connector.p2p.connector`: :class:`P2PConnector`, the registered class, and its
   ``connector_extra_config`` keys;
-* :mod:`~afd_core.p2p.lifecycle`: a rank's state, ``init``/``close``/``abort`` and failure
-  handling, and what both sides share (metadata checks, stage tags, the window);
-* :mod:`~afd_core.p2p.attention` / :mod:`~afd_core.p2p.ffn`: each role's control and data plane;
-* :mod:`~afd_core.p2p.recv_ahead`: the receive-ahead window rule and the posted-receive records;
-* :mod:`~afd_core.p2p.wire`: protocol version, control-message layout and codec, tags;
-* :mod:`~afd_core.p2p.handshake`: what a rank publishes at ``init`` and the comparison;
-* :mod:`~afd_core.p2p.groups`: backend per device type and standalone process groups.
+* :mod:`~afd_core.connector.p2p.lifecycle`: a rank's state, the transport's part of the lifecycle
+  (rendezvous TCPStore, process groups, teardown) and what both sides share (metadata checks,
+  stage tags, the window); the session (rounds, handshake, liveness, failure publication,
+  goodbye) is :mod:`afd_core.session`, shared with every transport;
+* :mod:`~afd_core.connector.p2p.attention` / :mod:`~afd_core.connector.p2p.ffn`: each role's control and data plane;
+* :mod:`~afd_core.connector.p2p.recv_ahead`: the receive-ahead window rule and the posted-receive records;
+* :mod:`~afd_core.connector.p2p.wire`: protocol version, control-message layout and codec, tags;
+* :mod:`~afd_core.connector.p2p.groups`: backend per device type and standalone process groups.
 """
 
-from afd_core.p2p.connector import P2PConnector
-from afd_core.p2p.groups import backend_for_device, make_process_group
-from afd_core.p2p.recv_ahead import RECV_AHEAD_BYTES
-from afd_core.p2p.wire import CONTROL_WORDS, PROTOCOL_VERSION
+from afd_core.connector.p2p.connector import P2PConnector
+from afd_core.connector.p2p.groups import backend_for_device, make_process_group
+from afd_core.connector.p2p.recv_ahead import RECV_AHEAD_BYTES
+from afd_core.connector.p2p.wire import CONTROL_WORDS, PROTOCOL_VERSION
 
 __all__ = [
     "CONTROL_WORDS",

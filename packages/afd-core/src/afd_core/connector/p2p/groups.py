@@ -46,7 +46,7 @@ def make_process_group(
     """A standalone process group (not registered as torch's default group).
 
     gloo: with ``bind_address`` its device (and so its listening socket) is created on that
-    address only (see :func:`afd_core.access.local_address`)."""
+    address only (see :func:`afd_core.session.access.local_address`)."""
     if backend == "gloo":
         if bind_address is None:
             return dist.ProcessGroupGloo(store, rank, world_size, timeout)

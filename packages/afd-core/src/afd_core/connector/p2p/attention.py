@@ -3,7 +3,7 @@
 Per step, :meth:`_AttentionSide.send_control` sends this rank's per-stage token counts without
 waiting for them (the step's first reply implies the FFN rank has them; the shutdown message is
 waited for), after refusing a count that differs from a receive the FFN rank still has posted
-(the window rule mirrored, see :mod:`afd_core.p2p.recv_ahead`). Per layer and stage,
+(the window rule mirrored, see :mod:`afd_core.connector.p2p.recv_ahead`). Per layer and stage,
 :meth:`_AttentionSide.send_attn_output` posts the reply's receive first (gloo; at most one per
 stage ahead, the rest queued in send order) and then a send per payload field, and returns;
 :meth:`_AttentionSide.recv_ffn_output` only waits.
@@ -17,16 +17,16 @@ from typing import Any
 import torch
 
 from afd_core.config import AFDRole
-from afd_core.connector import AFDTransferHandle
+from afd_core.connector.base import AFDTransferHandle
+from afd_core.connector.p2p.lifecycle import _P2PLifecycle
+from afd_core.connector.p2p.recv_ahead import _PendingRecv
+from afd_core.connector.p2p.wire import _CONTROL_TAG, CONTROL_WORDS, _pack_control, _StageTags
 from afd_core.errors import AFDConnectorError, AFDPayloadError, AFDProtocolError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDTransferMetadata
-from afd_core.p2p.lifecycle import _P2PLifecycle
-from afd_core.p2p.recv_ahead import _PendingRecv
-from afd_core.p2p.wire import _CONTROL_TAG, CONTROL_WORDS, _pack_control, _StageTags
 
 
 class _AttentionSide(_P2PLifecycle):
-    """The Attention role's operations of :class:`~afd_core.p2p.P2PConnector`."""
+    """The Attention role's operations of :class:`~afd_core.connector.p2p.P2PConnector`."""
 
     # -- control plane ---------------------------------------------------------------------
 
@@ -79,7 +79,7 @@ class _AttentionSide(_P2PLifecycle):
     def _check_peer_posted(self, announced: tuple[int, ...]) -> None:
         """Refuse a step whose count differs from a receive the FFN rank still has posted.
 
-        Mirrors the FFN side's receive-ahead rule (see :mod:`afd_core.p2p.recv_ahead` and
+        Mirrors the FFN side's receive-ahead rule (see :mod:`afd_core.connector.p2p.recv_ahead` and
         :meth:`_window`): the FFN rank has receives posted for stage ``s`` when the previous
         step's last transfer of ``s`` carried tokens, was not of layer ``num_layers - 1`` and
         had a window of at least one receive. Sending another count there would make

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 
 from afd_core.config import AFDRole
-from afd_core.connector import AFDTransferHandle
+from afd_core.connector.base import AFDTransferHandle
+from afd_core.connector.p2p.lifecycle import _P2PLifecycle
 from afd_core.errors import AFDConnectorError, AFDPayloadError, AFDProtocolError
 from afd_core.metadata import AFDPayload, AFDTransferMetadata
-from afd_core.p2p.lifecycle import _P2PLifecycle
 
 _HEADER_WORDS = 3
 
@@ -49,7 +49,7 @@ class _DispatchState:
 
 
 class _ExpertParallelSide(_P2PLifecycle):
-    """Both roles' expert-parallel operations of :class:`~afd_core.p2p.P2PConnector`."""
+    """Both roles' expert-parallel operations of :class:`~afd_core.connector.p2p.P2PConnector`."""
 
     def _check_expert_parallel(self, role: AFDRole, op: str) -> None:
         self._check_ready(role, op)

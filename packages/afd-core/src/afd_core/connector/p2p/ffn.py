@@ -2,7 +2,7 @@
 
 :meth:`_FFNSide.recv_control` merges the served Attention ranks' messages, then posts the
 step's first data receives and the next step's control receive. Receives are posted ahead on
-gloo within the window of :mod:`afd_core.p2p.recv_ahead`: request/reply (the service loop) keeps
+gloo within the window of :mod:`afd_core.connector.p2p.recv_ahead`: request/reply (the service loop) keeps
 one ahead, posted with the reply; a stream (several layers received before replying) gets the
 whole window, now and at the next step's control message. Off gloo every receive is posted when
 it is asked for.
@@ -18,16 +18,17 @@ from typing import Any
 import torch
 
 from afd_core.config import AFDRole
+from afd_core.connector.base import merge_control_messages
+from afd_core.connector.p2p.groups import _LONG_WAIT
+from afd_core.connector.p2p.lifecycle import _P2PLifecycle
+from afd_core.connector.p2p.recv_ahead import _PostedRecv
+from afd_core.connector.p2p.wire import _CONTROL_TAG, _decode_control
 from afd_core.errors import AFDConfigError, AFDConnectorError, AFDPayloadError, AFDProtocolError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.p2p.groups import _LONG_WAIT
-from afd_core.p2p.lifecycle import _P2PLifecycle
-from afd_core.p2p.recv_ahead import _PostedRecv
-from afd_core.p2p.wire import _CONTROL_TAG, _decode_control
 
 
 class _FFNSide(_P2PLifecycle):
-    """The FFN role's operations of :class:`~afd_core.p2p.P2PConnector`."""
+    """The FFN role's operations of :class:`~afd_core.connector.p2p.P2PConnector`."""
 
     # -- control plane ---------------------------------------------------------------------
 
@@ -57,31 +58,12 @@ class _FFNSide(_P2PLifecycle):
             except AFDProtocolError as err:
                 self._fail(err, f"recv_control from world rank {src}", src)
             messages.append(msg)
-        first = messages[0]
-        for src, msg in zip(self._served[1:], messages[1:], strict=True):
-            for name in ("num_stages", "is_warmup", "is_capture", "shutdown"):
-                if getattr(msg, name) != getattr(first, name):
-                    mismatch = AFDProtocolError(
-                        f"served Attention ranks disagree on {name}: world rank "
-                        f"{self._served[0]} sent {getattr(first, name)!r}, world rank {src} "
-                        f"sent {getattr(msg, name)!r}"
-                    )
-                    self._fail(mismatch, "recv_control", src)
-        merged = (
-            first  # one served rank: its message is already the merged one
-            if len(messages) == 1
-            else AFDControlMessage(
-                tuple(
-                    tuple(m.stage_token_counts[s][0] for m in messages)
-                    for s in range(first.num_stages)
-                ),
-                is_warmup=first.is_warmup,
-                is_capture=first.is_capture,
-                shutdown=first.shutdown,
-            )
-        )
+        try:
+            merged = merge_control_messages(messages, self._served)
+        except AFDProtocolError as mismatch:
+            self._fail(mismatch, "recv_control", None)
         if self._expert_parallel:
-            # The dispatch path (afd_core.p2p.expert_parallel) learns each layer's counts from
+            # The dispatch path (afd_core.connector.p2p.expert_parallel) learns each layer's counts from
             # its headers; the request/reply path stays closed (see recv_attn_output).
             self._ep_control = None if merged.shutdown else merged
             if not merged.shutdown:

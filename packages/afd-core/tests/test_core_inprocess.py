@@ -1,0 +1,295 @@
+"""The in-process connector: the shared session (handshake, rounds, liveness, failure
+publication, goodbye) and the data plane, both roles as threads of this process."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from afd_core.config import AFDConfig
+from afd_core.connector import create_connector, get_connector_class
+from afd_core.connector.inprocess import InProcessConnector
+from afd_core.errors import (
+    AFDHandshakeError,
+    AFDPeerError,
+    AFDProtocolError,
+    AFDStartupError,
+    AFDTimeoutError,
+)
+from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
+from afd_core.session import liveness
+
+SPEC = AFDPayloadSpec(hidden_size=4, dtype=torch.float32)
+_ports = itertools.count(7100)  # never listened on: an in-process world is named by host:port
+
+
+def cfg(role: str, port: int, **kw: Any) -> AFDConfig:
+    raw = {"role": role, "connector": "inprocess", "port": port, "timeout_s": 5.0}
+    raw.update({"startup_timeout_s": 10.0, **kw})
+    return AFDConfig.from_mapping(raw)
+
+
+def conn(role: str, port: int, rank: int = 0, spec: AFDPayloadSpec = SPEC, **kw: Any) -> Any:
+    return create_connector(cfg(role, port, **kw), rank, payload_spec=spec, num_layers=2, **{})
+
+
+def in_threads(*calls: Callable[[], Any]) -> list[Any]:
+    """Run ``calls`` on threads; each result is its return value or the exception it raised."""
+    out: list[Any] = [None] * len(calls)
+
+    def run(i: int) -> None:
+        try:
+            out[i] = calls[i]()
+        except Exception as err:
+            out[i] = err
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(calls))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_registered_and_selected_by_the_config() -> None:
+    assert get_connector_class("inprocess") is InProcessConnector
+    assert isinstance(conn("ffn", next(_ports)), InProcessConnector)
+
+
+def test_config_mismatch_is_refused_on_both_sides_naming_the_field() -> None:
+    port = next(_ports)
+    a, f = conn("attention", port, num_stages=2), conn("ffn", port, num_stages=1)
+    ra, rf = in_threads(a.init, f.init)
+    # The session's handshake: the same AFDHandshakeError (and text) as over P2P.
+    assert isinstance(ra, AFDHandshakeError) and ra.field == "config.num_stages", ra
+    assert str(ra) == str(AFDHandshakeError("config.num_stages", 2, 1, 1))
+    assert isinstance(rf, AFDHandshakeError | AFDStartupError), rf
+    assert "num_stages" in str(rf)
+    assert not a.is_initialized and not f.is_initialized
+
+
+def test_model_identity_mismatch_names_the_leaf() -> None:
+    port = next(_ports)
+    a = create_connector(
+        cfg("attention", port), 0, payload_spec=SPEC, num_layers=2, model_identity={"w": 1}
+    )
+    f = create_connector(
+        cfg("ffn", port), 0, payload_spec=SPEC, num_layers=2, model_identity={"w": 2}
+    )
+    ra, _ = in_threads(a.init, f.init)
+    assert isinstance(ra, AFDHandshakeError) and ra.field == "model_identity.w", ra
+
+
+def _ffn_serve(f: Any, scale: float) -> Callable[[], int]:
+    def serve() -> int:
+        f.init()
+        steps = 0
+        while True:
+            ctl = f.recv_control(timeout_s=math.inf)
+            if ctl.shutdown:
+                f.close()
+                return steps
+            for layer in range(2):
+                for stage in range(ctl.num_stages):
+                    meta = ctl.transfer_metadata(layer, stage)
+                    payloads = f.recv_attn_output(meta)
+                    f.send_ffn_output([p.hidden_states * scale for p in payloads], meta)
+            steps += 1
+
+    return serve
+
+
+def test_two_attention_ranks_round_trip_with_an_empty_stage() -> None:
+    port = next(_ports)
+    f = conn("ffn", port, num_attention_ranks=2)
+
+    def attention(rank: int) -> list[float]:
+        a = conn("attention", port, rank, num_attention_ranks=2)
+        a.init()
+        sums = []
+        counts = (rank + 1, 0)
+        a.send_control(AFDControlMessage(((counts[0],), (counts[1],))))
+        for layer in range(2):
+            handles = [
+                a.send_attn_output(
+                    AFDPayload(torch.full((n, 4), float(layer + 1))),
+                    AFDTransferMetadata(layer, s, (n,)),
+                )
+                for s, n in enumerate(counts)
+            ]
+            sums += [float(a.recv_ffn_output(h).sum()) for h in handles]
+        a.send_control(AFDControlMessage.shutdown_message())
+        a.close()
+        return sums
+
+    steps, s0, s1 = in_threads(_ffn_serve(f, 3.0), lambda: attention(0), lambda: attention(1))
+    assert steps == 1
+    assert s0 == [12.0, 0.0, 24.0, 0.0]  # 1 row x 4 x layer+1 x 3; the empty stage travels
+    assert s1 == [24.0, 0.0, 48.0, 0.0]
+
+
+def test_expert_parallel_dispatch_and_combine() -> None:
+    port = next(_ports)
+    kw = {"num_ffn_ranks": 2, "compute_gate_on_attention": True}
+    spec = AFDPayloadSpec(hidden_size=4, dtype=torch.float32, top_k=1)
+    a = conn("attention", port, spec=spec, **kw)
+    fs = [conn("ffn", port, r, spec=spec, ffn_rank=r, **kw) for r in range(2)]
+
+    def ffn(r: int) -> tuple[int, ...]:
+        f = fs[r]
+        f.init()
+        f.recv_control()
+        meta, payloads = f.recv_dispatch(1, 0)
+        f.send_ffn_output([p.hidden_states + 10 * (r + 1) for p in payloads], meta)
+        return meta.num_tokens
+
+    def attention() -> list[torch.Tensor]:
+        a.init()
+        a.send_control(AFDControlMessage(((3,),)))
+        payloads = [
+            AFDPayload(
+                torch.ones(n, 4),
+                topk_ids=torch.zeros(n, 1, dtype=torch.int32),
+                topk_weights=torch.ones(n, 1),
+            )
+            for n in (3, 0)
+        ]
+        return a.recv_combine(a.send_dispatch(payloads, AFDTransferMetadata(1, 0, (3, 0))))
+
+    got, n0, n1 = in_threads(attention, lambda: ffn(0), lambda: ffn(1))
+    assert (n0, n1) == ((3,), (0,))  # rank 1 got the empty dispatch (its header travelled)
+    assert torch.equal(got[0], torch.full((3, 4), 11.0)) and got[1].shape == (0, 4)
+    for c in (a, *fs):
+        c.close()
+
+
+def test_header_mismatch_is_a_protocol_error() -> None:
+    port = next(_ports)
+    a, f = conn("attention", port), conn("ffn", port)
+    in_threads(a.init, f.init)
+    a.send_control(AFDControlMessage(((1,),)))
+    a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(1, 0, (1,)))
+    f.recv_control()
+    with pytest.raises(AFDProtocolError, match="expected layer 0"):
+        f.recv_attn_output(AFDTransferMetadata(0, 0, (1,)))
+    assert not f.is_initialized  # a failure closes the rank and is published
+    with pytest.raises(AFDPeerError, match="world rank 1"):
+        a.recv_ffn_output(
+            a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(0, 0, (1,)))
+        )
+    a.close()
+
+
+def test_rounds_reinit_and_duplicate_claim() -> None:
+    port = next(_ports)
+    a, f = conn("attention", port), conn("ffn", port)
+    in_threads(a.init, f.init)
+    assert (a.generation, f.generation) == (1, 1)
+    dup = conn("ffn", port, startup_timeout_s=0.5)
+    with pytest.raises(AFDStartupError) as info:
+        dup.init()
+    assert info.value.stage == "claim" and "already claimed in round 1" in str(info.value)
+    a.close()
+    f.close()
+    in_threads(a.init, f.init)  # round 2: the attention rank opens it, the FFN rank joins
+    assert (a.generation, f.generation) == (2, 2)
+    a.close()
+    f.close()
+
+
+def test_goodbye_ends_a_pending_wait_and_is_seen_by_the_watcher() -> None:
+    port = next(_ports)
+    a, f = conn("attention", port), conn("ffn", port)
+    in_threads(a.init, f.init)
+    a.send_control(AFDControlMessage(((2,),)))
+    handle = a.send_attn_output(AFDPayload(torch.ones(2, 4)), AFDTransferMetadata(0, 0, (2,)))
+    f.close()  # a clean leave, never replying
+    with pytest.raises(AFDPeerError) as info:
+        a.recv_ffn_output(handle)
+    assert info.value.rank == 1 and info.value.stage == "goodbye"
+    assert isinstance(a.peer_failure(), AFDPeerError)
+
+
+def test_liveness_notices_a_silent_ffn(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(liveness, "HEARTBEAT_S", 0.05)
+    monkeypatch.setattr(liveness, "LIVENESS_TIMEOUT_S", 0.3)
+    port = next(_ports)
+    a, f = conn("attention", port), conn("ffn", port)
+    in_threads(a.init, f.init)
+    assert a.wait_peer_failure(0.5) is None  # beating: healthy
+    f.session.close(goodbye=False)  # the FFN rank stalls: its heartbeat stops, no goodbye
+    failure = a.wait_peer_failure(5.0)
+    assert isinstance(failure, AFDPeerError) and failure.stage == "liveness", failure
+    assert failure.rank == 1 and "no heartbeat" in str(failure)
+    a.close()
+    f.close()
+    in_threads(a.init, f.init)
+    assert a.peer_failure() is None  # the next init clears it
+    a.close()
+    f.close()
+
+
+def test_startup_failure_publication_fails_the_peer_at_once() -> None:
+    port = next(_ports)
+    a = conn("attention", port, startup_timeout_s=30.0)
+
+    def publish() -> bool:
+        return InProcessConnector.publish_startup_failure(
+            cfg("ffn", port), 0, "load_model", "planted: no weights", timeout_s=10.0
+        )
+
+    ra, delivered = in_threads(a.init, publish)
+    assert delivered is True
+    assert isinstance(ra, AFDStartupError), ra
+    assert (ra.rank, ra.stage) == (1, "load_model") and "planted: no weights" in str(ra)
+
+
+def test_abort_and_timeout_reach_the_waiting_peer() -> None:
+    port = next(_ports)
+    a, f = conn("attention", port, timeout_s=0.5), conn("ffn", port, timeout_s=0.5)
+    in_threads(a.init, f.init)
+    a.send_control(AFDControlMessage(((1,),)))
+    handle = a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(0, 0, (1,)))
+    with pytest.raises(AFDTimeoutError, match=r"did not complete within 0\.5s"):
+        a.recv_ffn_output(handle)  # the FFN rank never replies
+    f.abort("compute", "planted compute error")
+    in_threads(a.init, f.init)
+    a.send_control(AFDControlMessage(((1,),)))
+    handle = a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(0, 0, (1,)))
+    f.abort("compute", "planted compute error")
+    with pytest.raises(AFDPeerError) as info:
+        a.recv_ffn_output(handle)
+    assert (info.value.rank, info.value.stage) == (1, "compute")
+    assert "planted compute error" in str(info.value)
+
+
+def test_ready_hook_failure_reaches_the_peer() -> None:
+    port = next(_ports)
+
+    def hook(_: Any) -> None:
+        raise RuntimeError("planted bind failure")
+
+    a = conn("attention", port)
+    f = create_connector(cfg("ffn", port), 0, payload_spec=SPEC, num_layers=2, ready_hook=hook)
+    ra, rf = in_threads(a.init, f.init)
+    assert isinstance(rf, Exception) and "planted bind failure" in str(rf)
+    assert isinstance(ra, AFDStartupError) and ra.stage == "ready_hook", ra
+
+
+def test_served_ranks_disagreeing_on_stages_is_a_protocol_error() -> None:
+    port = next(_ports)
+    f = conn("ffn", port, num_attention_ranks=2)
+    atts = [conn("attention", port, r, num_attention_ranks=2) for r in range(2)]
+    in_threads(f.init, *(a.init for a in atts))
+    atts[0].send_control(AFDControlMessage(((1,),)))
+    atts[1].send_control(AFDControlMessage(((1,), (2,))))
+    with pytest.raises(AFDProtocolError, match="disagree on num_stages"):
+        f.recv_control()
+    assert not f.is_initialized
+    for a in atts:
+        a.close()
