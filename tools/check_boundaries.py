@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Enforce the afd package map (DEVELOPERS.md) on a workspace checkout.
+"""Enforce the afd package map (CONTRIBUTING.md) on a workspace checkout.
 
 The allowed sibling edges live in one place: ``[tool.afd.allowed-deps]`` of the root
 ``pyproject.toml``. This script checks what import-linter and deptry cannot express, and generates

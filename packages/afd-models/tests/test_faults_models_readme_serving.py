@@ -1,0 +1,101 @@
+"""Faults suite: the README's serving block, run with bash exactly as written.
+
+Nothing is substituted: ``afd tiny`` gives the tiny Qwen3-MoE checkpoint (``$AFD_TINY_CACHE``
+when set, as for every engine test), both ``afd serve`` start in the background on the README's
+fixed ports (8000, 8001, AFD port 29700) with no KV cache setting (the Attention role's own
+default budget), the block waits for ``/health`` with its own bound, sends its ``curl`` and stops
+both roles with SIGTERM. Asserted: the block exits 0 within the bound, the completion carries 16
+tokens, each role's log shows it ran, and no process of the block is left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+sys.path.insert(0, str(Path(__file__).parent))
+from afd_models_readme import marked_block
+
+pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
+
+#: The block's own readiness wait is 900 s; add the checkpoint build and both stops.
+SERVING_BOUND_S = 1100
+README_PORTS = (8000, 8001, 29700)
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+@pytest.mark.timeout(SERVING_BOUND_S + 120)
+def test_readme_serving_block_runs_as_written(tmp_path: Path) -> None:
+    script = marked_block("serving")
+    busy = [p for p in README_PORTS if not _port_free(p)]
+    if busy:
+        pytest.fail(f"the README's ports {busy} are in use on this host; free them to run this")
+    bin_dir = Path(sys.executable).parent  # where `afd` is installed beside this interpreter
+    env = dict(os.environ)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # as a user's shell: the README sets none
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        ["bash", "-e", "-c", script],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=SERVING_BOUND_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"the serving block ran past {SERVING_BOUND_S} s:\n{out[-4000:]}")
+    elapsed = time.monotonic() - t0
+    # The block's `kill` + `wait` stop both servers; their process groups end with them.
+    deadline = time.monotonic() + 30
+    while _group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = _group_alive(proc.pid)
+    if left:
+        os.killpg(proc.pid, signal.SIGKILL)
+    logs = {name: (tmp_path / name).read_text() for name in ("attention.log", "ffn.log")}
+    tails = "\n".join(f"--- {n} ---\n{t[-3000:]}" for n, t in logs.items())
+    assert proc.returncode == 0, f"the block exited {proc.returncode}:\n{out[-3000:]}\n{tails}"
+    assert not left, "processes of the serving block outlived its `kill`/`wait`"
+    start = out.index("{")
+    reply = json.loads(out[start : out.rindex("}") + 1])
+    assert "usage" in reply, f"the curl got no completion: {reply}\n{tails}"
+    assert reply["usage"]["completion_tokens"] == 16, reply
+    assert reply["choices"][0]["text"], reply
+    assert "AFD role=attention param_bytes=" in logs["attention.log"], tails
+    assert "AFD role=ffn param_bytes=" in logs["ffn.log"], tails
+    # The KV budget the README describes: the Attention role's own default, logged.
+    assert "AFD Attention role on CPU: KV cache" in logs["attention.log"], tails
+    print(f"README serving block: {elapsed:.0f} s")
