@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +19,7 @@ from afd_core.errors import (
     AFDHandshakeError,
     AFDPeerError,
     AFDProtocolError,
+    AFDRankServedError,
     AFDStartupError,
     AFDTimeoutError,
 )
@@ -190,14 +192,38 @@ def test_rounds_reinit_and_duplicate_claim() -> None:
     a, f = conn("attention", port), conn("ffn", port)
     in_threads(a.init, f.init)
     assert (a.generation, f.generation) == (1, 1)
-    dup = conn("ffn", port, startup_timeout_s=0.5)
-    with pytest.raises(AFDStartupError) as info:
+    # A second FFN server for a live FFN rank is refused at once, naming the field, and the
+    # running pair is untouched (nothing was published into its round).
+    dup = conn("ffn", port, startup_timeout_s=30.0)
+    began = time.monotonic()
+    with pytest.raises(AFDRankServedError) as served:
         dup.init()
-    assert info.value.stage == "claim" and "already claimed in round 1" in str(info.value)
+    assert time.monotonic() - began < 10.0
+    assert (served.value.field, served.value.value) == ("ffn_rank", 0)
+    assert "world rank 1 (ffn 0) is served by another live process in round 1" in str(served.value)
+    assert a.peer_failure() is None and f.peer_failure() is None
+    a.send_control(AFDControlMessage(((2,),)))
+    meta = AFDTransferMetadata(0, 0, (2,))
+    handle = a.send_attn_output(AFDPayload(torch.ones(2, 4)), meta)
+    f.recv_control()
+    (payload,) = f.recv_attn_output(meta)
+    f.send_ffn_output(payload.hidden_states * 2, meta)
+    assert torch.equal(a.recv_ffn_output(handle), torch.full((2, 4), 2.0))
     a.close()
     f.close()
     in_threads(a.init, f.init)  # round 2: the attention rank opens it, the FFN rank joins
     assert (a.generation, f.generation) == (2, 2)
+    # A holder whose heartbeat stopped (gone without a goodbye) is not a live one: the second
+    # claimant waits for a newer round, then fails naming the claim.
+    f.session.close(goodbye=False)
+    dup = conn("ffn", port, startup_timeout_s=4.0)
+    with pytest.raises(AFDStartupError) as info:
+        dup.init()
+    assert info.value.stage == "claim" and "already claimed in round 2" in str(info.value)
+    a.close()
+    f.close()
+    in_threads(a.init, f.init)  # round 3
+    assert (a.generation, f.generation) == (3, 3)
     a.close()
     f.close()
 

@@ -356,9 +356,10 @@ def test_bad_request_is_http_400_and_the_pair_keeps_serving(
 def test_bad_roles_started_beside_a_running_pair_do_not_disturb_it(
     pair: Pair, model: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """A second FFN role with malformed config, then a second Attention role on the running
-    pair's AFD port (held by the pair's own rendezvous store): each is refused (exit 2 naming
-    ``--additional-config``; exit 1 naming ``port``) and the pair keeps serving."""
+    """A second FFN role with malformed config, a well-formed second FFN role for the rank the
+    pair serves, then a second Attention role on the running pair's AFD port (held by the
+    pair's own rendezvous store): each is refused (exit 2 naming ``--additional-config``; exit 1
+    naming ``ffn_rank``; exit 1 naming ``port``) and the pair keeps serving."""
     log_dir = _log_dir(tmp_path_factory)
     (port,) = free_ports(1)
     text = '{"afd": {"role": "ffn", "port": ' + str(pair.afd_port)  # unterminated JSON
@@ -371,6 +372,22 @@ def test_bad_roles_started_beside_a_running_pair_do_not_disturb_it(
     )
     assert ffn.exit_code == 2, ffn.log[-3000:]
     assert "afd serve: error: invalid AFD config field '--additional-config'" in ffn.log
+    _assert_pair_serves(pair)
+
+    # A well-formed second FFN server for the FFN rank the pair serves (issue #31 item 6): it
+    # loads, reaches the store, finds the rank's claim held by a live heartbeat and exits 1
+    # naming ffn_rank; the pair's round is untouched.
+    (port,) = free_ports(1)
+    role = afd_role_args(
+        "ffn", afd_port=pair.afd_port, num_attention_ranks=1, gate_on_attention=False
+    )
+    stray = run_until_exit(
+        "bad-input-stray-ffn", _serve_argv(model, port, role), port, log_dir, ENGINE_REFUSAL_S
+    )
+    assert stray.exit_code == 1, stray.log[-3000:]
+    assert "AFDRankServedError" in stray.log, stray.log[-3000:]
+    assert "invalid AFD config field 'ffn_rank': got 0" in stray.log
+    assert "world rank 1 (ffn 0) is served by another live process" in stray.log
     _assert_pair_serves(pair)
 
     (port,) = free_ports(1)
@@ -389,6 +406,7 @@ def test_bad_roles_started_beside_a_running_pair_do_not_disturb_it(
     assert attention.elapsed_s < ENGINE_REFUSAL_S
     print(
         f"beside a running pair: second FFN exit {ffn.exit_code} after {ffn.elapsed_s:.1f}s, "
+        f"stray FFN exit {stray.exit_code} after {stray.elapsed_s:.1f}s, "
         f"second Attention exit {attention.exit_code} after {attention.elapsed_s:.1f}s"
     )
     _assert_pair_serves(pair)

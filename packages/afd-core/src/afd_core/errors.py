@@ -35,6 +35,7 @@ __all__ = [
     "AFDPayloadError",
     "AFDPeerError",
     "AFDProtocolError",
+    "AFDRankServedError",
     "AFDReadyHookError",
     "AFDRegistryError",
     "AFDStartupError",
@@ -195,6 +196,12 @@ class AFDPeerError(AFDConnectorError):
 
 class AFDStartupError(AFDPeerError):
     """A rank published a startup failure; every waiting peer raises this naming rank and stage."""
+
+
+class AFDRankServedError(AFDConfigError):
+    """A role rank another live process already serves (e.g. a second FFN server started with
+    the ``ffn_rank`` of a running one): refused at once, naming the field and the rank, without
+    touching the running deployment (no failure is published into its round)."""
 
 
 class AFDCancelledError(AFDConnectorError):

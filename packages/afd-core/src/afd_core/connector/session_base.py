@@ -33,6 +33,7 @@ from afd_core.errors import (
     AFDConfigError,
     AFDConnectorError,
     AFDPeerError,
+    AFDRankServedError,
     AFDReadyHookError,
     AFDStartupError,
     AFDTimeoutError,
@@ -152,6 +153,9 @@ class AFDSessionConnector(AFDConnectorBase):
                 world_size=self.topology.world_size,
                 who=self._who(),
                 startup_timeout_s=startup_s,
+                # FFN ranks beat a heartbeat while they serve: a second claimant of a live one
+                # is refused at once instead of waiting for a round that never opens.
+                served_by=None if self.role is AFDRole.ATTENTION else ("ffn_rank", self.role_rank),
             )
             stage = "claim"
             session.claim(deadline)
@@ -180,7 +184,10 @@ class AFDSessionConnector(AFDConnectorBase):
                 on_lost=self._on_lost(session),
             )
         except BaseException as err:
-            if self._session is not None and not isinstance(err, AFDStartupError | AFDPeerError):
+            # A rank served by another live process must not publish into that process's round.
+            if self._session is not None and not isinstance(
+                err, AFDStartupError | AFDPeerError | AFDRankServedError
+            ):
                 self._session.publish_failure(stage, f"{type(err).__name__}: {err}")
             self._shutdown(goodbye=False)
             # Exit requests (KeyboardInterrupt, SystemExit) and cancellation keep their type:

@@ -4,7 +4,8 @@ World rank 0 (the store's owner) opens a new round at each of its initialisation
 rank joins the newest round and claims its world rank there. Each round has its own key namespace
 ``afd/g<round>``, so any rank can close and initialise again without reading a previous round's
 keys. A rank already claimed in the newest round waits for a newer one and then fails (a second
-process runs that rank, stage ``claim``).
+process runs that rank, stage ``claim``); a rank that beats a heartbeat (``served_by``) is refused
+at once when the heartbeat of its claim in the newest round is moving: a live process serves it.
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from afd_core.errors import AFDStartupError, AFDTimeoutError
+from afd_core.errors import AFDRankServedError, AFDStartupError, AFDTimeoutError
 
 __all__ = ["ROUND_KEY", "claim_round", "current_round", "round_prefix"]
 
 ROUND_KEY = "afd/round"
 _ROUND_POLL_S = 0.01
+#: How long a claimed rank's heartbeat is watched before a second claimant decides whether a live
+#: process holds it (more than two of the holder's beats, ``session.liveness.HEARTBEAT_S``).
+LIVE_HOLDER_WATCH_S = 2.5
 
 
 def round_prefix(number: int) -> str:
@@ -26,14 +30,24 @@ def round_prefix(number: int) -> str:
 
 
 def claim_round(
-    root: Any, world_rank: int, deadline: float, *, who: str, startup_timeout_s: float
+    root: Any,
+    world_rank: int,
+    deadline: float,
+    *,
+    who: str,
+    startup_timeout_s: float,
+    served_by: tuple[str, int] | None = None,
 ) -> int:
     """Join the current round and claim ``world_rank`` in it; return the round's number.
 
-    ``who`` names the rank in errors (e.g. ``"attention 0"``).
+    ``who`` names the rank in errors (e.g. ``"attention 0"``). ``served_by``: the config field
+    and value that choose this rank (``("ffn_rank", 0)``) when ranks of its kind beat a
+    heartbeat while they serve; a claim then found taken is checked for a live holder.
 
     Raises:
         AFDTimeoutError: world rank 0 opened no round before ``deadline``.
+        AFDRankServedError: the rank is claimed in the newest round and its heartbeat moves
+            (``served_by`` given): a live process serves it.
         AFDStartupError: stage ``claim``, the rank is already claimed in the newest round and no
             newer round opened before ``deadline``.
     """
@@ -48,6 +62,8 @@ def claim_round(
             number = current
             if int(root.add(f"{round_prefix(number)}/claim/{world_rank}", 1)) == 1:
                 return number
+            if served_by is not None:
+                _refuse_live_holder(root, number, world_rank, who, served_by)
         if time.monotonic() >= deadline:
             if number == 0:
                 raise AFDTimeoutError(
@@ -62,6 +78,29 @@ def claim_round(
                 "process runs this rank",
             )
         time.sleep(_ROUND_POLL_S)
+
+
+def _refuse_live_holder(
+    root: Any, number: int, world_rank: int, who: str, served_by: tuple[str, int]
+) -> None:
+    """Raise :class:`AFDRankServedError` when ``world_rank``'s heartbeat in round ``number``
+    moves within :data:`LIVE_HOLDER_WATCH_S`; return when it stands still (the holder is gone:
+    wait for world rank 0's next round, as a restarted rank does)."""
+    key = f"{round_prefix(number)}/alive/{world_rank}"
+    before = int(root.add(key, 0))
+    time.sleep(LIVE_HOLDER_WATCH_S)
+    after = int(root.add(key, 0))
+    if after == before:
+        return
+    field, value = served_by
+    raise AFDRankServedError(
+        field,
+        value,
+        f"a {field} that no running process serves",
+        detail=f"world rank {world_rank} ({who}) is served by another live process in round "
+        f"{number} (its heartbeat moved {after - before} time(s) in {LIVE_HOLDER_WATCH_S:g}s); "
+        f"stop that server first, or start this one with another {field}",
+    )
 
 
 def current_round(root: Any, world_rank: int, deadline: float) -> int:

@@ -52,8 +52,10 @@ class AFDSession:
         world_size: int,
         who: str,
         startup_timeout_s: float,
+        served_by: tuple[str, int] | None = None,
     ) -> None:
         self.root = root
+        self.served_by = served_by
         self.world_rank = world_rank
         self.world_size = world_size
         self.who = who
@@ -77,6 +79,7 @@ class AFDSession:
             deadline,
             who=self.who,
             startup_timeout_s=self.startup_timeout_s,
+            served_by=self.served_by,
         )
         self.store = dist.PrefixStore(round_prefix(self.generation), self.root)
         self.coordinator = StartupCoordinator(
