@@ -639,9 +639,10 @@ def test_attention_notices_idle_ffn_loss_and_pairs_with_its_replacement() -> Non
     # Round 2 on both sides: the replacement waited out the stale round 1.
     assert attn["generation"] == 2 and repl["generation"] == 2, (attn, repl)
     assert attn["second_step_ok"] is True
+    # A duplicate of the live FFN rank is refused at once, naming ffn_rank (its heartbeat moves).
     dup = repl["duplicate"]
-    assert dup["type"] == "AFDStartupError" and dup["stage"] == "claim", dup
-    assert "already claimed in round 2" in dup["msg"], dup
+    assert dup["type"] == "AFDRankServedError" and dup["field"] == "ffn_rank", dup
+    assert "is served by another live process in round 2" in dup["msg"], dup
     assert repl["goodbye"] is True
 
 

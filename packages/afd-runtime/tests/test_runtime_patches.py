@@ -339,8 +339,8 @@ def test_engine_failures_report_cores_that_died_of_an_error(
     client = SimpleNamespace(
         resources=SimpleNamespace(engine_manager=SimpleNamespace(processes=procs))
     )
-    assert patches.record_engine_processes(client) == 3
-    assert patches.record_engine_processes(client) == 0  # idempotent
+    assert patches.record_engine_processes(client, stop_on_death=False) == 3
+    assert patches.record_engine_processes(client, stop_on_death=False) == 0  # idempotent
     assert patches.engine_failures() == []
     procs[0].exitcode = 1  # the engine core raised: EngineCore exits 1
     assert patches.engine_failures() == ["EngineCore_DP0 (pid 11) exited with code 1"]
@@ -362,14 +362,14 @@ def test_engine_failures_record_the_engine_dead_message(monkeypatch: pytest.Monk
             raise DeadError
 
     resources = SimpleNamespace(validate_alive=validate_alive)
-    patches.record_engine_processes(SimpleNamespace(resources=resources))
+    patches.record_engine_processes(SimpleNamespace(resources=resources), stop_on_death=False)
     resources.validate_alive([b"output"])
     assert patches.engine_failures() == []
     with pytest.raises(DeadError):
         resources.validate_alive([b"DEAD"])
     assert patches.engine_failures() == ["an engine core reported a fatal error (DeadError)"]
     # Installing again does not wrap twice.
-    patches.record_engine_processes(SimpleNamespace(resources=resources))
+    patches.record_engine_processes(SimpleNamespace(resources=resources), stop_on_death=False)
     with pytest.raises(DeadError):
         resources.validate_alive([b"DEAD"])
     assert len(patches._engine_deaths) == 2

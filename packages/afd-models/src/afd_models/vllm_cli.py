@@ -108,7 +108,13 @@ def run_vllm_cli(argv: Sequence[str]) -> None:
     from vllm.entrypoints.cli.main import main as vllm_main
 
     sys.argv = ["vllm", *argv]
-    vllm_main()
+    try:
+        vllm_main()
+    except KeyboardInterrupt:
+        # A start-up interrupted because an AFD engine core died (afd-runtime stops the API
+        # server then) is that failure, not a user's interrupt.
+        exit_if_an_engine_failed()
+        raise
     exit_if_an_engine_failed()
 
 

@@ -55,6 +55,8 @@ import gc
 import logging
 import os
 import signal
+import threading
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -319,7 +321,7 @@ _engine_processes: list[Any] = []
 _engine_deaths: list[str] = []
 
 
-def record_engine_processes(client: Any) -> int:
+def record_engine_processes(client: Any, *, stop_on_death: bool = True) -> int:
     """Watch ``client``'s engine cores for a fatal error; returns how many processes it found.
 
     Two signals, because either can be missed: the engine core's own ``ENGINE_CORE_DEAD``
@@ -327,8 +329,12 @@ def record_engine_processes(client: Any) -> int:
     wraps that method on this client's resources object only, recording the death before vLLM
     raises ``EngineDeadError``), and the exit codes of the processes vLLM's local process manager
     started (a native crash sends no message). Engines vLLM does not start as local processes
-    (Ray) are watched through the message only. Idempotent per client."""
+    (Ray) are watched through the message only. With ``stop_on_death`` a watcher thread stops
+    this API server when an engine core died and the server did not stop (:func:`_death_watch`).
+    Idempotent per client."""
     resources = getattr(client, "resources", None)
+    if resources is None:
+        return 0
     validate = getattr(resources, "validate_alive", None)
     if validate is not None and not getattr(validate, _MARK, False):
 
@@ -339,6 +345,7 @@ def record_engine_processes(client: Any) -> int:
                 _engine_deaths.append(
                     f"an engine core reported a fatal error ({type(err).__name__})"
                 )
+                _engine_died.set()
                 raise
 
         setattr(validate_alive, _MARK, True)
@@ -346,7 +353,46 @@ def record_engine_processes(client: Any) -> int:
     manager = getattr(resources, "engine_manager", None)
     procs = [p for p in getattr(manager, "processes", None) or () if p not in _engine_processes]
     _engine_processes.extend(procs)
+    if stop_on_death and (procs or validate is not None):
+        _start_death_watch()
     return len(procs)
+
+
+#: Set when an AFD engine core of this API server died of an error.
+_engine_died = threading.Event()
+#: How long after an engine core's death the API server may take to stop on its own (vLLM's
+#: watchdog looks every 5 s once it serves) before :func:`_death_watch` stops it.
+ENGINE_DEATH_EXIT_S: Final[float] = 15.0
+_death_watch_started = threading.Event()
+
+
+def _start_death_watch() -> None:
+    if _death_watch_started.is_set():
+        return
+    _death_watch_started.set()
+    threading.Thread(target=_death_watch, name="afd-engine-death-watch", daemon=True).start()
+
+
+def _death_watch() -> None:
+    """Stop this API server when an AFD engine core died and the server did not stop by itself.
+
+    vLLM's API server stops on its engine's death only through its watchdog, which runs once the
+    HTTP server serves; an engine core that dies while the API server still starts (an FFN whose
+    service fails seconds after its engine came up, e.g. refused as a second server for a served
+    ``ffn_rank``) leaves a start-up call waiting on the dead engine for good (seen: 10 minutes).
+    SIGTERM is how vLLM itself is asked to stop: during start-up it interrupts the wait, while
+    serving it starts the graceful shutdown; ``afd serve`` then exits 1 (:func:`engine_failures`)."""
+    while not _engine_died.wait(1.0):
+        if engine_failures():
+            break
+    time.sleep(ENGINE_DEATH_EXIT_S)
+    if not engine_failures():
+        return
+    _client_logger.error(
+        "AFD: an engine core died (%s) and the API server did not stop; stopping it",
+        "; ".join(engine_failures()),
+    )
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def engine_failures() -> list[str]:
