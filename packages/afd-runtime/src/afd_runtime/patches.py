@@ -8,7 +8,10 @@
    them; on the CPU platform run the engine's one worker in the engine core process
    (:func:`in_process_executor`); refuse data parallelism that cannot match the AFD topology
    (:func:`check_role_parallelism`) and a non-loopback ``host`` without ``AFD_SECRET``
-   (afd-core's ``deployment_secret``). Without AFD config: unchanged, except that
+   (afd-core's ``deployment_secret``); turn on prometheus_client's multiprocess mode with vLLM's
+   own ``setup_multiprocess_prometheus`` (:func:`afd_runtime.metrics.enable_multiprocess_metrics`),
+   so the ``afd_*`` metrics of the engine core processes reach the API server's ``/metrics``.
+   Without AFD config: unchanged, except that
    ``--additional-config`` text vLLM's parser passed through unparsed (not shaped ``{...}``; vLLM
    would reject it with a pydantic error naming neither the flag nor the fault) is refused first
    with afd-core's error naming the flag and where the JSON breaks
@@ -63,6 +66,7 @@ from afd_core.errors import AFDConfigError
 from afd_core.session.access import deployment_secret
 
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
+from afd_runtime.metrics import enable_multiprocess_metrics
 from afd_runtime.signals import termination_reaches_main_thread
 from afd_runtime.vllm_compat import check_vllm_version
 from afd_runtime.workers import afd_worker_qualname
@@ -387,6 +391,9 @@ def apply_vllm_patches() -> None:
                 kv_user_sized=self.kv_cache_memory_bytes is not None
                 or self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization,
             )
+            if _is_afd_config(vllm_config):
+                # Before any engine core starts: their afd_* metrics reach /metrics.
+                enable_multiprocess_metrics()
             return vllm_config
 
         setattr(create_engine_config, _MARK, True)
