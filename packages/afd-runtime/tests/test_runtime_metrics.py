@@ -21,13 +21,24 @@ from prometheus_client.exposition import generate_latest
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+_REGISTRY = CollectorRegistry()
+_METRICS = metrics.AFDMetrics(_REGISTRY)  # this module's own: values start at 0
+
+
 def _value(name: str, **labels: str) -> float:
-    value = REGISTRY.get_sample_value(name, labels)
+    value = _REGISTRY.get_sample_value(name, labels)
     return 0.0 if value is None else value
 
 
+def test_the_default_metrics_are_registered_once_in_the_default_registry() -> None:
+    names = {m._name for m in metrics.METRICS.all()}
+    assert len(names) == len(metrics.METRICS.all()) and all(n.startswith("afd_") for n in names)
+    metrics.RoleMetrics("ffn", 40).steps.inc()
+    assert REGISTRY.get_sample_value("afd_steps_total", {"role": "ffn", "rank": "40"}) == 1
+
+
 def test_role_metrics_count_calls_per_layer_and_tokens_per_call() -> None:
-    m = metrics.RoleMetrics("ffn", 41)
+    m = metrics.RoleMetrics("ffn", 41, _METRICS)
     m.compute_call(3, 5)
     m.compute_call(3, 7)
     m.compute_call(5, 1)
@@ -72,7 +83,7 @@ class _Handle:
 
 
 def test_attention_connector_instrumentation_times_each_layer_and_counts_bytes() -> None:
-    m = metrics.RoleMetrics("attention", 42)
+    m = metrics.RoleMetrics("attention", 42, _METRICS)
     conn = _Conn()
     metrics.instrument_attention_connector(conn, m)
     metrics.instrument_attention_connector(conn, m)  # idempotent: one wrapper
@@ -159,7 +170,7 @@ def test_readme_metrics_table_matches_the_metrics() -> None:
     rows = re.findall(r"^\| `(afd_[a-z0-9_]+)` \| (\w+) \| ([^|]+) \|", section, flags=re.M)
     documented = {name: (kind, labels.strip()) for name, kind, labels in rows}
     shipped = {}
-    for metric in metrics.ALL_METRICS:
+    for metric in metrics.METRICS.all():
         labels = ", ".join(f"`{label}`" for label in metric._labelnames)
         shipped[metric._name] = (metric._type, labels)
     assert documented == shipped

@@ -12,7 +12,8 @@ server process, before any engine core starts) turns it on for every AFD role wi
 per ``vllm serve`` process, removed when it exits, so no value of an earlier run leaks in. Each
 FFN rank is its own ``vllm serve`` and so has its own directory and ``/metrics``.
 
-The metric objects are created here at import; a labelled series is created (and picks
+The metric objects (:data:`METRICS`, an :class:`AFDMetrics` in prometheus_client's default
+registry) are created here at import; a labelled series is created (and picks
 prometheus_client's value class) at its first use, in the engine core. Every series carries
 ``role`` (``attention`` / ``ffn``) and ``rank`` (the role rank); per-layer series add ``layer``
 (the decoder layer index). Gauges use ``multiprocess_mode="mostrecent"``. The README's
@@ -27,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Final
 
-from prometheus_client import Counter, Gauge, Histogram, values
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
 
 logger = logging.getLogger(__name__)
 
@@ -44,141 +45,171 @@ WAIT_BUCKETS: Final[tuple[float, ...]] = (
     5.0, 10.0,
 )  # fmt: skip
 
-# -- both roles ------------------------------------------------------------------------------
-PARAM_BYTES = Gauge(
-    "afd_param_bytes",
-    "Weight bytes this role rank holds (afd_runtime.roles.model_param_bytes).",
-    _ROLE,
-    multiprocess_mode="mostrecent",
-)
-STARTUP_PHASE = Gauge(
-    "afd_startup_phase_timestamp_seconds",
-    "Unix time this role rank reached a startup phase (load, loaded, connected).",
-    (*_ROLE, "phase"),
-    multiprocess_mode="mostrecent",
-)
-LINK_UP = Gauge(
-    "afd_link_up",
-    "1 while this role rank's connector is paired with its peer role, else 0.",
-    _ROLE,
-    multiprocess_mode="mostrecent",
-)
-CONNECTIONS = Counter(
-    "afd_connections",
-    "Connector initialisations that paired with the peer role (the first one included).",
-    _ROLE,
-)
-RECONNECTS = Counter(
-    "afd_reconnects",
-    "Attention side: re-pairings with the FFN role after a loss.",
-    _ROLE,
-)
-STEPS = Counter(
-    "afd_steps",
-    "Steps served: Attention forwards announced, FFN control messages served.",
-    _ROLE,
-)
-STEP_TOKENS = Counter(
-    "afd_step_tokens",
-    "Tokens announced per step, summed over stages (FFN: over every served Attention rank).",
-    _ROLE,
-)
-BYTES_RECEIVED = Counter(
-    "afd_received_bytes",
-    "Payload bytes received (FFN: from its Attention ranks; Attention: FFN replies).",
-    _ROLE,
-)
-BYTES_SENT = Counter(
-    "afd_sent_bytes",
-    "Payload bytes sent (FFN: replies; Attention: hidden states, logits, ids, top-k).",
-    _ROLE,
-)
 
-# -- FFN role --------------------------------------------------------------------------------
-FFN_COMPUTE_CALLS = Counter(
-    "afd_ffn_compute_calls",
-    "FFN compute calls per MoE layer (one per (layer, stage) with tokens, batched over peers).",
-    _LAYER,
-)
-FFN_TOKENS_PER_CALL = Histogram(
-    "afd_ffn_tokens_per_call",
-    "Tokens of one FFN compute call (all served Attention ranks together).",
-    _ROLE,
-    buckets=TOKEN_BUCKETS,
-)
-FFN_PEERS = Gauge(
-    "afd_ffn_peers",
-    "Attention ranks this FFN rank serves.",
-    _ROLE,
-    multiprocess_mode="mostrecent",
-)
-FFN_LAYERS = Gauge(
-    "afd_ffn_layers",
-    "MoE layers this FFN rank serves.",
-    _ROLE,
-    multiprocess_mode="mostrecent",
-)
-QUANT_EXPERT_BYTES = Gauge(
-    "afd_ffn_quantized_expert_bytes",
-    "Bytes of this FFN rank's quantized routed experts.",
-    (*_ROLE, "compute", "scheme", "group_size"),
-    multiprocess_mode="mostrecent",
-)
-QUANT_BF16_BYTES = Gauge(
-    "afd_ffn_quantized_bf16_bytes",
-    "Bytes the same routed experts take in bf16.",
-    _ROLE,
-    multiprocess_mode="mostrecent",
-)
-QUANT_ERROR = Gauge(
-    "afd_ffn_quant_error_max_rel",
-    "Max over calls of max|y - ref| / max|ref| of a quantized layer against fp32 "
-    "(only when the model measures it).",
-    _LAYER,
-    multiprocess_mode="mostrecent",
-)
-QUANT_ERROR_CALLS = Counter(
-    "afd_ffn_quant_error_calls",
-    "Calls the quantized layer's error was measured on.",
-    _LAYER,
-)
-COMPUTE_SIGNATURE = Gauge(
-    "afd_ffn_compute_signature_info",
-    "1 for each layer's compute graph signature digest (label signature).",
-    (*_LAYER, "compute", "signature"),
-    multiprocess_mode="mostrecent",
-)
+class AFDMetrics:
+    """Every ``afd_*`` metric, registered in ``registry`` (the process's default registry for
+    :data:`METRICS`; a test builds its own to render what a role exposes)."""
 
-# -- Attention role --------------------------------------------------------------------------
-ATTENTION_FFN_WAIT = Histogram(
-    "afd_attention_ffn_wait_seconds",
-    "Seconds an Attention rank waited for the FFN reply of one (layer, stage).",
-    _LAYER,
-    buckets=WAIT_BUCKETS,
-)
+    def __init__(self, registry: CollectorRegistry | None = REGISTRY) -> None:
+        # -- both roles
+        self.param_bytes = Gauge(
+            "afd_param_bytes",
+            "Weight bytes this role rank holds (afd_runtime.roles.model_param_bytes).",
+            _ROLE,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.startup_phase = Gauge(
+            "afd_startup_phase_timestamp_seconds",
+            "Unix time this role rank reached a startup phase (load, loaded, connected).",
+            (*_ROLE, "phase"),
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.link_up = Gauge(
+            "afd_link_up",
+            "1 while this role rank's connector is paired with its peer role, else 0.",
+            _ROLE,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.connections = Counter(
+            "afd_connections",
+            "Connector initialisations that paired with the peer role (the first one included).",
+            _ROLE,
+            registry=registry,
+        )
+        self.reconnects = Counter(
+            "afd_reconnects",
+            "Attention side: re-pairings with the FFN role after a loss.",
+            _ROLE,
+            registry=registry,
+        )
+        self.steps = Counter(
+            "afd_steps",
+            "Steps served: Attention forwards announced, FFN control messages served.",
+            _ROLE,
+            registry=registry,
+        )
+        self.step_tokens = Counter(
+            "afd_step_tokens",
+            "Tokens announced per step, summed over stages (FFN: over every served Attention rank).",
+            _ROLE,
+            registry=registry,
+        )
+        self.bytes_received = Counter(
+            "afd_received_bytes",
+            "Payload bytes received (FFN: from its Attention ranks; Attention: FFN replies).",
+            _ROLE,
+            registry=registry,
+        )
+        self.bytes_sent = Counter(
+            "afd_sent_bytes",
+            "Payload bytes sent (FFN: replies; Attention: hidden states, logits, ids, top-k).",
+            _ROLE,
+            registry=registry,
+        )
 
-#: Every metric above, by the name the README documents (counters: without ``_total``).
-ALL_METRICS: Final[tuple[Any, ...]] = (
-    PARAM_BYTES,
-    STARTUP_PHASE,
-    LINK_UP,
-    CONNECTIONS,
-    RECONNECTS,
-    STEPS,
-    STEP_TOKENS,
-    BYTES_RECEIVED,
-    BYTES_SENT,
-    FFN_COMPUTE_CALLS,
-    FFN_TOKENS_PER_CALL,
-    FFN_PEERS,
-    FFN_LAYERS,
-    QUANT_EXPERT_BYTES,
-    QUANT_BF16_BYTES,
-    QUANT_ERROR,
-    QUANT_ERROR_CALLS,
-    COMPUTE_SIGNATURE,
-    ATTENTION_FFN_WAIT,
-)
+        # -- FFN role
+        self.ffn_compute_calls = Counter(
+            "afd_ffn_compute_calls",
+            "FFN compute calls per MoE layer (one per (layer, stage) with tokens, batched over peers).",
+            _LAYER,
+            registry=registry,
+        )
+        self.ffn_tokens_per_call = Histogram(
+            "afd_ffn_tokens_per_call",
+            "Tokens of one FFN compute call (all served Attention ranks together).",
+            _ROLE,
+            buckets=TOKEN_BUCKETS,
+            registry=registry,
+        )
+        self.ffn_peers = Gauge(
+            "afd_ffn_peers",
+            "Attention ranks this FFN rank serves.",
+            _ROLE,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.ffn_layers = Gauge(
+            "afd_ffn_layers",
+            "MoE layers this FFN rank serves.",
+            _ROLE,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.quant_expert_bytes = Gauge(
+            "afd_ffn_quantized_expert_bytes",
+            "Bytes of this FFN rank's quantized routed experts.",
+            (*_ROLE, "compute", "scheme", "group_size"),
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.quant_bf16_bytes = Gauge(
+            "afd_ffn_quantized_bf16_bytes",
+            "Bytes the same routed experts take in bf16.",
+            _ROLE,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.quant_error = Gauge(
+            "afd_ffn_quant_error_max_rel",
+            "Max over calls of max|y - ref| / max|ref| of a quantized layer against fp32 "
+            "(only when the model measures it).",
+            _LAYER,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.quant_error_calls = Counter(
+            "afd_ffn_quant_error_calls",
+            "Calls the quantized layer's error was measured on.",
+            _LAYER,
+            registry=registry,
+        )
+        self.compute_signature = Gauge(
+            "afd_ffn_compute_signature_info",
+            "1 for each layer's compute graph signature digest (label signature).",
+            (*_LAYER, "compute", "signature"),
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+
+        # -- Attention role
+        self.attention_ffn_wait = Histogram(
+            "afd_attention_ffn_wait_seconds",
+            "Seconds an Attention rank waited for the FFN reply of one (layer, stage).",
+            _LAYER,
+            buckets=WAIT_BUCKETS,
+            registry=registry,
+        )
+
+    def all(self) -> tuple[Any, ...]:
+        """Every metric, in the README table's order."""
+        return (
+            self.param_bytes,
+            self.startup_phase,
+            self.link_up,
+            self.connections,
+            self.reconnects,
+            self.steps,
+            self.step_tokens,
+            self.bytes_received,
+            self.bytes_sent,
+            self.ffn_compute_calls,
+            self.ffn_tokens_per_call,
+            self.ffn_peers,
+            self.ffn_layers,
+            self.quant_expert_bytes,
+            self.quant_bf16_bytes,
+            self.quant_error,
+            self.quant_error_calls,
+            self.compute_signature,
+            self.attention_ffn_wait,
+        )
+
+
+#: The metrics every AFD process publishes (prometheus_client's default registry).
+METRICS: Final[AFDMetrics] = AFDMetrics()
 
 
 def multiprocess_enabled() -> bool:
@@ -208,27 +239,28 @@ def enable_multiprocess_metrics() -> str:
 class RoleMetrics:
     """The ``afd_*`` series of one role rank (labels bound once)."""
 
-    def __init__(self, role: str, rank: int) -> None:
+    def __init__(self, role: str, rank: int, metrics: AFDMetrics = METRICS) -> None:
         self.role = role
+        self._m = m = metrics
         self.rank = rank
         self._labels = {"role": role, "rank": str(rank)}
-        self.steps = STEPS.labels(**self._labels)
-        self.step_tokens = STEP_TOKENS.labels(**self._labels)
-        self.received = BYTES_RECEIVED.labels(**self._labels)
-        self.sent = BYTES_SENT.labels(**self._labels)
-        self.link_up = LINK_UP.labels(**self._labels)
-        self.connections = CONNECTIONS.labels(**self._labels)
-        self.reconnects = RECONNECTS.labels(**self._labels)
-        self.tokens_per_call = FFN_TOKENS_PER_CALL.labels(**self._labels)
+        self.steps = m.steps.labels(**self._labels)
+        self.step_tokens = m.step_tokens.labels(**self._labels)
+        self.received = m.bytes_received.labels(**self._labels)
+        self.sent = m.bytes_sent.labels(**self._labels)
+        self.link_up = m.link_up.labels(**self._labels)
+        self.connections = m.connections.labels(**self._labels)
+        self.reconnects = m.reconnects.labels(**self._labels)
+        self.tokens_per_call = m.ffn_tokens_per_call.labels(**self._labels)
         self._calls: dict[int, Any] = {}
         self._waits: dict[int, Any] = {}
 
     def phase(self, name: str) -> None:
         """Record that this rank reached startup phase ``name`` now."""
-        STARTUP_PHASE.labels(**self._labels, phase=name).set(time.time())
+        self._m.startup_phase.labels(**self._labels, phase=name).set(time.time())
 
     def param_bytes(self, n: int) -> None:
-        PARAM_BYTES.labels(**self._labels).set(n)
+        self._m.param_bytes.labels(**self._labels).set(n)
 
     def connected(self) -> None:
         """The connector paired with the peer role."""
@@ -237,14 +269,16 @@ class RoleMetrics:
         self.phase("connected")
 
     def ffn_shape(self, peers: int, layers: int) -> None:
-        FFN_PEERS.labels(**self._labels).set(peers)
-        FFN_LAYERS.labels(**self._labels).set(layers)
+        self._m.ffn_peers.labels(**self._labels).set(peers)
+        self._m.ffn_layers.labels(**self._labels).set(layers)
 
     def compute_call(self, layer: int, tokens: int) -> None:
         """One FFN compute call of ``tokens`` tokens on ``layer``."""
         child = self._calls.get(layer)
         if child is None:
-            child = self._calls[layer] = FFN_COMPUTE_CALLS.labels(**self._labels, layer=str(layer))
+            child = self._calls[layer] = self._m.ffn_compute_calls.labels(
+                **self._labels, layer=str(layer)
+            )
         child.inc()
         self.tokens_per_call.observe(tokens)
 
@@ -252,26 +286,28 @@ class RoleMetrics:
         """An Attention rank waited ``seconds`` for the FFN reply of ``layer``."""
         child = self._waits.get(layer)
         if child is None:
-            child = self._waits[layer] = ATTENTION_FFN_WAIT.labels(**self._labels, layer=str(layer))
+            child = self._waits[layer] = self._m.attention_ffn_wait.labels(
+                **self._labels, layer=str(layer)
+            )
         child.observe(seconds)
 
     def quantized(
         self, compute: str, scheme: str, group_size: int, nbytes: int, bf16_bytes: int
     ) -> None:
-        QUANT_EXPERT_BYTES.labels(
+        self._m.quant_expert_bytes.labels(
             **self._labels, compute=compute, scheme=scheme, group_size=str(group_size)
         ).set(nbytes)
-        QUANT_BF16_BYTES.labels(**self._labels).set(bf16_bytes)
+        self._m.quant_bf16_bytes.labels(**self._labels).set(bf16_bytes)
 
     def signature(self, layer: int, compute: str, digest: str) -> None:
-        COMPUTE_SIGNATURE.labels(
+        self._m.compute_signature.labels(
             **self._labels, layer=str(layer), compute=compute, signature=digest
         ).set(1)
 
     def quant_error(self, layer: int, max_rel: float) -> None:
         """One measured call of ``layer``; ``max_rel`` is the max so far."""
-        QUANT_ERROR_CALLS.labels(**self._labels, layer=str(layer)).inc()
-        QUANT_ERROR.labels(**self._labels, layer=str(layer)).set(max_rel)
+        self._m.quant_error_calls.labels(**self._labels, layer=str(layer)).inc()
+        self._m.quant_error.labels(**self._labels, layer=str(layer)).set(max_rel)
 
 
 def _tensor_bytes(t: Any) -> int:
