@@ -137,6 +137,30 @@ def test_engine_processes_reach_the_api_servers_collector(tmp_path: Path) -> Non
         assert f'afd_link_up{{rank="{rank}",role="attention"}} 1.0' in text
 
 
+_ADOPT = textwrap.dedent(
+    """
+    import os, sys
+    from prometheus_client import values  # chosen before the directory exists (a forked core)
+    assert values.ValueClass is values.MutexValue
+    from afd_runtime.metrics import MULTIPROC_ENV, RoleMetrics, adopt_multiprocess_values
+    assert not adopt_multiprocess_values()  # no directory: stays in memory
+    os.environ[MULTIPROC_ENV] = sys.argv[1]
+    assert adopt_multiprocess_values()
+    RoleMetrics("ffn", 3).steps.inc(7)
+    """
+)
+
+
+def test_a_core_that_imported_prometheus_client_first_adopts_the_directory(
+    tmp_path: Path,
+) -> None:
+    env = {k: v for k, v in os.environ.items() if k != metrics.MULTIPROC_ENV}
+    subprocess.run([sys.executable, "-c", _ADOPT, str(tmp_path)], env=env, check=True, timeout=120)
+    registry = CollectorRegistry()
+    multiprocess.MultiProcessCollector(registry, path=str(tmp_path))
+    assert registry.get_sample_value("afd_steps_total", {"role": "ffn", "rank": "3"}) == 7
+
+
 _ENABLE = textwrap.dedent(
     """
     import os, sys

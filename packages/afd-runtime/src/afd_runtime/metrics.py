@@ -6,11 +6,13 @@ to that is prometheus_client's multiprocess mode: with ``PROMETHEUS_MULTIPROC_DI
 process writes its metric values to memory-mapped files in that directory and the API server's
 ``/metrics`` collects them all (``vllm.v1.metrics.prometheus.get_prometheus_registry``). vLLM
 turns it on itself when it runs several API servers (``--data-parallel-size 2`` on one host);
-:func:`enable_multiprocess_metrics` (called by patch (1) of :mod:`afd_runtime.patches` in the API
-server process, before any engine core starts) turns it on for every AFD role with vLLM's own
+:func:`enable_multiprocess_metrics` (called by patch (3) of :mod:`afd_runtime.patches` in the
+API server process, in ``MPClient.__init__`` before it starts the engine cores) turns it on for
+every AFD role with vLLM's own
 :func:`~vllm.v1.metrics.prometheus.setup_multiprocess_prometheus`: a fresh temporary directory
 per ``vllm serve`` process, removed when it exits, so no value of an earlier run leaks in. Each
-FFN rank is its own ``vllm serve`` and so has its own directory and ``/metrics``.
+FFN rank is its own ``vllm serve`` and so has its own directory and ``/metrics``. In the engine
+core, the worker calls :func:`adopt_multiprocess_values` before it creates its series.
 
 The metric objects (:data:`METRICS`, an :class:`AFDMetrics` in prometheus_client's default
 registry) are created here at import; a labelled series is created (and picks
@@ -225,7 +227,7 @@ def enable_multiprocess_metrics() -> str:
     fresh temporary directory (removed at exit) and sets the variable, which the engine core
     processes started next inherit. prometheus_client chose its value class when it was
     imported (before this runs), so it is chosen again here: metrics created from now on in
-    this process (vLLM's stat loggers, built after the engine config) and in forked children
+    this process (vLLM's stat loggers, built after the engine client) and in forked children
     write to the directory. A directory set by the user is kept (vLLM warns it must be empty)."""
     if not os.environ.get(MULTIPROC_ENV):
         from vllm.v1.metrics.prometheus import setup_multiprocess_prometheus
@@ -234,6 +236,15 @@ def enable_multiprocess_metrics() -> str:
     if values.ValueClass is values.MutexValue:
         values.ValueClass = values.get_value_class()
     return os.environ[MULTIPROC_ENV]
+
+
+def adopt_multiprocess_values() -> bool:
+    """In an engine core: when ``PROMETHEUS_MULTIPROC_DIR`` is set but prometheus_client chose
+    its in-memory values before (a process forked from one that imported it earlier), choose
+    again, so this process's afd_* values reach the directory. True when multiprocess is on."""
+    if os.environ.get(MULTIPROC_ENV) and values.ValueClass is values.MutexValue:
+        values.ValueClass = values.get_value_class()
+    return multiprocess_enabled()
 
 
 class RoleMetrics:

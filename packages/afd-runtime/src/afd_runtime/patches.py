@@ -8,10 +8,7 @@
    them; on the CPU platform run the engine's one worker in the engine core process
    (:func:`in_process_executor`); refuse data parallelism that cannot match the AFD topology
    (:func:`check_role_parallelism`) and a non-loopback ``host`` without ``AFD_SECRET``
-   (afd-core's ``deployment_secret``); turn on prometheus_client's multiprocess mode with vLLM's
-   own ``setup_multiprocess_prometheus`` (:func:`afd_runtime.metrics.enable_multiprocess_metrics`),
-   so the ``afd_*`` metrics of the engine core processes reach the API server's ``/metrics``.
-   Without AFD config: unchanged, except that
+   (afd-core's ``deployment_secret``). Without AFD config: unchanged, except that
    ``--additional-config`` text vLLM's parser passed through unparsed (not shaped ``{...}``; vLLM
    would reject it with a pydantic error naming neither the flag nor the fault) is refused first
    with afd-core's error naming the flag and where the JSON breaks
@@ -44,8 +41,12 @@
    ``KeyboardInterrupt``. It also watches the engine cores it started for a fatal error
    (:func:`record_engine_processes`: wraps ``validate_alive`` on that client's resources object,
    and keeps the engine-core processes): vLLM's API server exits with status 0 when its engine
-   core died, and ``afd serve`` asks :func:`engine_failures` to exit with 1 instead. No AFD:
-   unchanged.
+   core died, and ``afd serve`` asks :func:`engine_failures` to exit with 1 instead. Before it
+   starts the engine cores, it turns on prometheus_client's multiprocess mode with
+   vLLM's own ``setup_multiprocess_prometheus``
+   (:func:`afd_runtime.metrics.enable_multiprocess_metrics`), so the ``afd_*`` metrics of the
+   engine core processes reach this API server's ``/metrics`` (vLLM's stat loggers, built after
+   the client, follow). No AFD: unchanged.
 
 Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
 not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
@@ -300,6 +301,8 @@ def engine_client_init(original: Callable[..., None]) -> Callable[..., None]:
         if not _is_afd_config(vllm_config):
             original(self, asyncio_mode, vllm_config, *args, **kwargs)
             return
+        # Before the engine cores start: their afd_* metrics then reach this server's /metrics.
+        enable_multiprocess_metrics()
         forwarder = None
         try:
             with termination_reaches_main_thread() as forwarder:
@@ -391,9 +394,6 @@ def apply_vllm_patches() -> None:
                 kv_user_sized=self.kv_cache_memory_bytes is not None
                 or self.gpu_memory_utilization != EngineArgs.gpu_memory_utilization,
             )
-            if _is_afd_config(vllm_config):
-                # Before any engine core starts: their afd_* metrics reach /metrics.
-                enable_multiprocess_metrics()
             return vllm_config
 
         setattr(create_engine_config, _MARK, True)

@@ -47,7 +47,11 @@ from afd_runtime.compute import AFDFFNModel, select_ffn_compute
 from afd_runtime.faults import raise_if_injected
 from afd_runtime.ffn_service import FFNService
 from afd_runtime.identity import model_identity
-from afd_runtime.metrics import RoleMetrics, instrument_attention_connector
+from afd_runtime.metrics import (
+    RoleMetrics,
+    adopt_multiprocess_values,
+    instrument_attention_connector,
+)
 from afd_runtime.quantized import QuantizedFFNCompute
 from afd_runtime.roles import report_param_bytes, require_afd_config, role_rank
 from afd_runtime.signals import cancel_startup_on_signals
@@ -229,6 +233,7 @@ class AFDAttentionWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = require_afd_config(self.vllm_config, AFDRole.ATTENTION)
         rank = role_rank(self.vllm_config, cfg)
+        adopt_multiprocess_values()  # this engine core's afd_* values reach /metrics
         metrics = RoleMetrics(AFDRole.ATTENTION.value, rank)
         metrics.phase("load")
         super().load_model(*args, **kwargs)  # type: ignore[misc]
@@ -309,6 +314,7 @@ class AFDFFNWorkerMixin:
             raise
 
     def _afd_load_ffn(self, cfg: AFDConfig, rank: int, *args: Any, **kwargs: Any) -> None:
+        adopt_multiprocess_values()  # this engine core's afd_* values reach /metrics
         metrics = RoleMetrics(AFDRole.FFN.value, rank)
         metrics.phase("load")
         super().load_model(*args, **kwargs)  # type: ignore[misc]
