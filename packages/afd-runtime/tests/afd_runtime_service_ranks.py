@@ -89,6 +89,15 @@ class StepRecordingCompute:
 compute = StepRecordingCompute()
 
 
+def _afd_counters() -> dict[str, float]:
+    """This FFN process's afd_* counters of rank 0 (prometheus_client's default registry)."""
+    from prometheus_client import REGISTRY
+
+    labels = {"role": "ffn", "rank": "0"}
+    names = ("afd_steps_total", "afd_connections_total", "afd_refusals_total")
+    return {n: REGISTRY.get_sample_value(n, labels) or 0.0 for n in names}
+
+
 def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: Any) -> None:
     cfg = config("ffn", port, num_attention_ranks=num_attention, compute_gate_on_attention=gate)
     compute = StepRecordingCompute()  # per service (the ranks may share one process)
@@ -104,7 +113,14 @@ def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: 
     q.put(
         (
             "ffn",
-            (stats.steps, stats.compute_calls, stats.tokens, svc.deployments, svc.refusals),
+            (
+                stats.steps,
+                stats.compute_calls,
+                stats.tokens,
+                svc.deployments,
+                svc.refusals,
+                _afd_counters(),
+            ),
             None if err is None else f"{type(err).__name__}: {err}",
         )
     )

@@ -301,6 +301,7 @@ class FFNService:
                 text,
             )
         self.refusals += 1
+        self.metrics.refusals.inc()
         return True
 
     def _serve(self, connector: AFDConnectorBase) -> None:

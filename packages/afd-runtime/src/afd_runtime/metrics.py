@@ -87,6 +87,12 @@ class AFDMetrics:
             _ROLE,
             registry=registry,
         )
+        self.refusals = Counter(
+            "afd_refusals",
+            "FFN side: Attention deployments refused at the handshake (it keeps waiting).",
+            _ROLE,
+            registry=registry,
+        )
         self.steps = Counter(
             "afd_steps",
             "Steps served: Attention forwards announced, FFN control messages served.",
@@ -193,6 +199,7 @@ class AFDMetrics:
             self.link_up,
             self.connections,
             self.reconnects,
+            self.refusals,
             self.steps,
             self.step_tokens,
             self.bytes_received,
@@ -262,6 +269,7 @@ class RoleMetrics:
         self.link_up = m.link_up.labels(**self._labels)
         self.connections = m.connections.labels(**self._labels)
         self.reconnects = m.reconnects.labels(**self._labels)
+        self.refusals = m.refusals.labels(**self._labels)
         self.tokens_per_call = m.ffn_tokens_per_call.labels(**self._labels)
         self._calls: dict[int, Any] = {}
         self._waits: dict[int, Any] = {}
