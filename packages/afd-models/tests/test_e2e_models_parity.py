@@ -274,7 +274,7 @@ def test_the_ffn_batched_its_attention_ranks_per_metrics(deployment: Deployment)
     every Attention rank (lockstep: equal step counts), and computed once per MoE layer (and
     non-empty stage) per step over all of them: with one stage and one FFN rank,
     ``afd_ffn_compute_calls_total{layer}`` equals ``afd_steps_total`` for every layer, and the
-    FFN computed exactly the tokens the Attention ranks announced."""
+    FFN computed exactly the tokens the Attention ranks announced, in every MoE layer."""
     from afd_models.demo.servers import parse_attention_stats, parse_ffn_stats
 
     case = deployment.case
@@ -301,7 +301,8 @@ def test_the_ffn_batched_its_attention_ranks_per_metrics(deployment: Deployment)
         elif case.num_ffn_ranks == 1:
             # Batching: calls per layer-step equal 1 whatever the number of Attention ranks.
             assert len(per_layer) == s.layers and set(per_layer.values()) == {s.steps}, s
-            assert s.tokens == sum(a.tokens for a in ranks.values()), (s, ranks)
+            # Every announced token was computed once in every MoE layer.
+            assert s.tokens == s.layers * sum(a.tokens for a in ranks.values()), (s, ranks)
         else:
             # A rank computes once per layer that routed it tokens: never more than batched.
             assert all(0 < n <= s.steps for n in per_layer.values()), s
