@@ -29,6 +29,7 @@ client still sends those requests concurrently; Qwen3-MoE is served with real ba
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -243,9 +244,9 @@ def test_roles_report_their_own_weights_and_stay_up(
     deployment.attention.check_alive()
     for ffn in deployment.ffns:
         ffn.check_alive()
-    att = parse_param_bytes(deployment.attention.log_text()).get("attention")
+    att = parse_param_bytes(deployment.attention.metrics_text()).get("attention")
     assert att is not None and len(att) == case.num_attention_ranks
-    per_rank = [parse_param_bytes(f.log_text()).get("ffn") for f in deployment.ffns]
+    per_rank = [parse_param_bytes(f.metrics_text()).get("ffn") for f in deployment.ffns]
     assert all(b is not None and len(b) == 1 for b in per_rank), per_rank
     if case.num_ffn_ranks > 1:
         # Expert parallel, gate on Attention: an FFN rank holds exactly its share of the routed
@@ -254,18 +255,67 @@ def test_roles_report_their_own_weights_and_stay_up(
         assert [b[0] for b in per_rank] == [total // case.num_ffn_ranks] * case.num_ffn_ranks  # type: ignore[index]
 
 
+def _idle_metrics(deployment: Deployment) -> tuple[str, tuple[str, ...]]:
+    """The Attention role's and each FFN rank's /metrics, read while no step ran in between
+    (the FFN texts read before and after the Attention one are equal; 3 tries)."""
+    for _ in range(3):
+        before = tuple(f.metrics_text() for f in deployment.ffns)
+        attention = deployment.attention.metrics_text()
+        after = tuple(f.metrics_text() for f in deployment.ffns)
+        if before == after:
+            return attention, after
+        time.sleep(1.0)
+    raise AssertionError("the deployment kept stepping while idle")
+
+
+@pytest.mark.timeout(1800)
+def test_the_ffn_batched_its_attention_ranks_per_metrics(deployment: Deployment) -> None:
+    """From the afd_* metrics on both roles' /metrics: every FFN rank served every step of
+    every Attention rank (lockstep: equal step counts), and computed once per MoE layer (and
+    non-empty stage) per step over all of them: with one stage and one FFN rank,
+    ``afd_ffn_compute_calls_total{layer}`` equals ``afd_steps_total`` for every layer, and the
+    FFN computed exactly the tokens the Attention ranks announced, in every MoE layer."""
+    from afd_models.demo.servers import parse_attention_stats, parse_ffn_stats
+
+    case = deployment.case
+    attention_text, ffn_texts = _idle_metrics(deployment)
+    ranks = parse_attention_stats(attention_text)
+    assert sorted(ranks) == list(range(case.num_attention_ranks)), attention_text
+    for a in ranks.values():
+        assert a.link_up and a.steps > 0 and a.tokens > 0, a
+        assert a.sent_bytes > 0 and a.received_bytes > 0, a
+        assert a.waits > 0 and a.wait_s > 0, a  # per-layer waits for the FFN were observed
+    for f, text in enumerate(ffn_texts):
+        stats = parse_ffn_stats(text)
+        assert set(stats) == {f}, text
+        s = stats[f]
+        assert s.peers == case.num_attention_ranks
+        assert s.steps > 0 and s.tokens > 0
+        # Lockstep: one FFN step per step of each Attention rank (both ranks in every step).
+        assert all(a.steps == s.steps for a in ranks.values()), (s, ranks)
+        per_layer = dict(s.layer_calls)
+        if case.num_stages > 1:
+            # One call per layer and non-empty stage: a split step makes two per layer, and
+            # the prompts sent together made some steps split.
+            assert s.steps * s.layers < s.compute_calls <= 2 * s.steps * s.layers, s
+        elif case.num_ffn_ranks == 1:
+            # Batching: calls per layer-step equal 1 whatever the number of Attention ranks.
+            assert len(per_layer) == s.layers and set(per_layer.values()) == {s.steps}, s
+            # Every announced token was computed once in every MoE layer.
+            assert s.tokens == s.layers * sum(a.tokens for a in ranks.values()), (s, ranks)
+        else:
+            # A rank computes once per layer that routed it tokens: never more than batched.
+            assert all(0 < n <= s.steps for n in per_layer.values()), s
+
+
 #: SIGTERM must stop a role (its whole process session) within this many seconds.
 STOP_BOUND_S = 30.0
 
 
 @pytest.mark.timeout(1800)
-def test_sigterm_stops_both_roles_and_the_ffn_batched_its_peers(deployment: Deployment) -> None:
+def test_sigterm_stops_both_roles(deployment: Deployment) -> None:
     """Last test of each deployment: stop it. Both roles exit 0 within the bound without SIGKILL
-    (the 2-rank Qwen3 case stops the FFN first, the others the Attention role first), and the
-    FFN computed once per MoE layer (and non-empty stage) per step over all of its Attention
-    ranks."""
-    from afd_models.demo.servers import parse_ffn_stats
-
+    (the 2-rank Qwen3 case stops the FFN first, the others the Attention role first)."""
     case = deployment.case
     ffn_first = case.family == "qwen3_moe" and case.num_attention_ranks == 2
     order = [*deployment.ffns, deployment.attention]
@@ -273,18 +323,3 @@ def test_sigterm_stops_both_roles_and_the_ffn_batched_its_peers(deployment: Depl
     for r in results:
         assert r.exit_code == 0 and not r.forced, r
         assert r.elapsed_s <= STOP_BOUND_S, r
-    for f, ffn in enumerate(deployment.ffns):
-        stats = parse_ffn_stats(ffn.log_text())
-        assert set(stats) == {f}
-        s = stats[f]
-        assert s.peers == case.num_attention_ranks
-        assert s.steps > 0 and s.tokens > 0
-        if case.num_stages > 1:
-            # One call per layer and non-empty stage: a split step makes two per layer, and
-            # the prompts sent together made some steps split.
-            assert s.steps * s.layers < s.compute_calls <= 2 * s.steps * s.layers, s
-        elif case.num_ffn_ranks == 1:
-            assert s.compute_calls == s.steps * s.layers, s
-        else:
-            # A rank computes once per layer that routed it tokens: never more than batched.
-            assert 0 < s.compute_calls <= s.steps * s.layers, s

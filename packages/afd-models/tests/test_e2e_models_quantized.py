@@ -94,13 +94,14 @@ def test_layered_and_mega_serve_identical_tokens(
                 concurrency=1,  # type: ignore[attr-defined]
             )
             outputs[compute] = [c.token_ids for c in batch.completions]
+            metrics = ffn.metrics_text()  # type: ignore[attr-defined]
         finally:
             print(stop_all([attention, ffn]))  # type: ignore[list-item]
         log = ffn.log_text()  # type: ignore[attr-defined]
-        report = parse_quantized(log)[0]
+        report = parse_quantized(metrics)[0]
         assert report.compute == compute
         assert abs(report.expert_bytes / report.bf16_bytes - ratio) < 0.02, report
-        layer, calls, max_rel = parse_quant_error(log)[0]
+        layer, calls, max_rel = parse_quant_error(metrics)[0]
         assert calls >= 1
         scheme = quant["expert_quant"]
         assert max_rel <= QUANT_ERROR_TOLERANCE[scheme], (compute, layer, max_rel)

@@ -94,8 +94,6 @@ def test_readme_serving_block_runs_as_written(tmp_path: Path) -> None:
     assert "usage" in reply, f"the curl got no completion: {reply}\n{tails}"
     assert reply["usage"]["completion_tokens"] == 16, reply
     assert reply["choices"][0]["text"], reply
-    assert "AFD role=attention param_bytes=" in logs["attention.log"], tails
-    assert "AFD role=ffn param_bytes=" in logs["ffn.log"], tails
     # The KV budget the README describes: the Attention role's own default, logged.
     assert "AFD Attention role on CPU: KV cache" in logs["attention.log"], tails
     print(f"README serving block: {elapsed:.0f} s")

@@ -61,7 +61,8 @@ FAILING_STARTUP_TIMEOUT_S = 120.0
 OPTIONS = EngineOptions(
     dtype="float32", enforce_eager=True, max_model_len=512, startup_timeout_s=ENGINE_START_S
 )
-#: Printed by an AFD worker once its model is loaded (an Attention role then waits for the FFN).
+#: Logged (for humans) by an AFD worker once its model is loaded (an Attention role then waits
+#: for the FFN); a lifecycle point before the API server serves /metrics, so it is read in the log.
 LOADED = "AFD role={role} param_bytes="
 
 
@@ -257,15 +258,19 @@ def test_sigterm_idle_attention_first_then_serving_ffn_first(
         except BaseException as err:  # the FFN leaves mid-stream: requests fail
             errors.append(err)
 
+    from afd_models.demo.servers import afd_samples, parse_ffn_stats
+
+    def served() -> tuple[int, int]:
+        """(Attention deployments paired, steps served) from the FFN's /metrics."""
+        text = ffn.metrics_text()
+        key = ("afd_connections_total", frozenset({("role", "ffn"), ("rank", "0")}))
+        return int(afd_samples(text).get(key, 0)), parse_ffn_stats(text)[0].steps
+
+    connections, steps = served()
+    assert connections == 2, connections  # the second deployment paired with the same FFN
     loader = threading.Thread(target=load, daemon=True)
     loader.start()
-    wait_for(
-        lambda: "AFD FFN rank=0 stats steps=" in ffn.log_text().split("said goodbye")[-1],
-        "serving",
-        120.0,
-        ffn,
-        second,
-    )
+    wait_for(lambda: served()[1] > steps, "serving", 120.0, ffn, second)
     f_snap = Snapshot(ffn)
     f_res = ffn.stop(timeout_s=2 * STOP_BOUND_S)
     print(f_res)

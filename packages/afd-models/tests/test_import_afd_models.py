@@ -27,7 +27,7 @@ def test_demo_packages_come_only_with_the_demo_extra() -> None:
 
     from packaging.requirements import Requirement
 
-    demo = {"psutil", "requests", "safetensors", "tokenizers"}
+    demo = {"prometheus-client", "psutil", "requests", "safetensors", "tokenizers"}
     reqs = [Requirement(r) for r in requires("afd-models") or []]
     base = {r.name for r in reqs if r.marker is None}
     assert not base & demo

@@ -31,7 +31,7 @@ from afd_models.demo.bench import (
 from afd_models.demo.servers import SPLIT_EVERY_STEP_ARGS, FFNStats, QuantReport
 
 sys.path.insert(0, str(Path(__file__).parent))
-from afd_models_fake_servers import FakeServer
+from afd_models_fake_servers import FakeServer, MetricsText
 
 
 def test_compare_derives_ratio_and_overhead_per_layer() -> None:
@@ -168,10 +168,10 @@ def test_traffic_row_without_reference_bytes_has_no_ratio() -> None:
 def test_traffic_row_names_ranks_without_counters() -> None:
     with pytest.raises(RuntimeError) as err:
         traffic_row("afd 1:2 gate-attn", [_stats(0, 1, 1, 1), None])
-    assert str(err.value) == "afd 1:2 gate-attn: no stats line from FFN rank(s) [1]"
+    assert str(err.value) == ("afd 1:2 gate-attn: no afd_* counters on /metrics of FFN rank(s) [1]")
     with pytest.raises(RuntimeError) as err:
         traffic_row("afd 1:2 gate-attn", [])
-    assert str(err.value) == "afd 1:2 gate-attn: no stats line from FFN rank(s) [0]"
+    assert str(err.value) == ("afd 1:2 gate-attn: no afd_* counters on /metrics of FFN rank(s) [0]")
 
 
 def test_compare_covers_gate_on_attention_rows() -> None:
@@ -193,8 +193,6 @@ def test_compare_covers_gate_on_attention_rows() -> None:
 def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from afd_runtime.ffn_service import STATS_FORMAT
-
     model = tmp_path / "tiny"
     model.mkdir()
     (model / "config.json").write_text(
@@ -211,9 +209,9 @@ def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
         logs = ["" for _ in range(n)]
         if kw["gate_on_attention"]:
             logs = [
-                STATS_FORMAT.format(
-                    rank=r, steps=st, calls=st * 2, tokens=st, bytes=b, peers=1, layers=2
-                )
+                MetricsText()
+                .ffn(r, steps=st, calls=st * 2, tokens=st, nbytes=b, peers=1, layers=2)
+                .text()
                 for r, (st, b) in enumerate(counters[n])
             ]
         ffns = tuple(FakeServer(f"{prefix}-ffn{r}", log, events) for r, log in enumerate(logs))
@@ -249,11 +247,15 @@ def test_run_bench_adds_gate_on_attention_deployments_and_their_traffic(
         (1, 1, True, "bench-1a1f-gate-attn"),
         (1, 2, True, "bench-1a2f-gate-attn"),
     ]
-    # FFN ranks start before the Attention role; the Attention role stops first.
-    assert events[-6:] == [
+    # FFN ranks start before the Attention role; each /metrics is read while serving; the
+    # Attention role stops first.
+    assert events[-9:] == [
         "start bench-1a2f-gate-attn-ffn1",
         "start bench-1a2f-gate-attn-ffn0",
         "start bench-1a2f-gate-attn-attention",
+        "metrics bench-1a2f-gate-attn-attention",
+        "metrics bench-1a2f-gate-attn-ffn0",
+        "metrics bench-1a2f-gate-attn-ffn1",
         "stop bench-1a2f-gate-attn-attention",
         "stop bench-1a2f-gate-attn-ffn0",
         "stop bench-1a2f-gate-attn-ffn1",
@@ -356,14 +358,14 @@ def test_quantized_rows_compare_to_native_afd_and_plain() -> None:
     ]
     with pytest.raises(RuntimeError) as err:
         quantized_rows(q, rows_q, native, plain, None)
-    assert str(err.value) == "afd 1:1 layered w8a8: no quantized-compute line from FFN rank 0"
+    assert str(err.value) == (
+        "afd 1:1 layered w8a8: no afd_ffn_quantized_expert_bytes on /metrics of FFN rank 0"
+    )
 
 
 def test_run_bench_adds_the_quantized_computes_at_one_to_one(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from afd_runtime.quantized import QUANT_FORMAT
-
     model = tmp_path / "tiny"
     model.mkdir()
     (model / "config.json").write_text(
@@ -379,19 +381,15 @@ def test_run_bench_adds_the_quantized_computes_at_one_to_one(
         logs = [""] * n
         if kw["gate_on_attention"]:
             logs = [
-                f"AFD FFN rank={r} stats steps=1 compute_calls=2 tokens=1 bytes=8 peers=1 layers=2"
+                MetricsText().ffn(r, steps=1, calls=2, tokens=1, nbytes=8, peers=1, layers=2).text()
                 for r in range(n)
             ]
         if extra is not None:
             q = QuantizedSetup(extra["ffn_compute"], extra["expert_quant"])
-            logs[0] = QUANT_FORMAT.format(
-                rank=0,
-                kind=q.ffn_compute,
-                scheme=q.scheme,
-                group=0,
-                nbytes=expert_bytes[q.expert_quant],
-                bf16=1048576,
-                layers=2,
+            logs[0] = (
+                MetricsText()
+                .quantized(0, q.ffn_compute, q.scheme, 0, expert_bytes[q.expert_quant], 1048576, 2)
+                .text()
             )
         ffns = tuple(FakeServer(f"{prefix}-ffn{r}", log, events) for r, log in enumerate(logs))
         return FakeServer(f"{prefix}-attention", "", events), ffns
@@ -485,7 +483,9 @@ def test_run_bench_fails_when_a_quantized_ffn_rank_did_not_compute_quantized(
         bench, "measure_tpot", lambda server, b, cfg, setup: TPOTRow(setup, b, 1.0, (1.0,))
     )
     cfg = BenchConfig(batch_sizes=(1,), ffn_ranks=(1,), log_dir=tmp_path / "logs")
-    with pytest.raises(RuntimeError, match="afd 1:1 layered w8a8: no quantized-compute line"):
+    with pytest.raises(
+        RuntimeError, match="afd 1:1 layered w8a8: no afd_ffn_quantized_expert_bytes"
+    ):
         bench.run_bench(cfg, progress=lambda msg: None)
     # The deployment was stopped before the check.
     assert events[-1] == "stop bench-1a1f-layered-w8a8-ffn"
@@ -513,15 +513,13 @@ def test_split_step_share_counts_steps_with_two_computed_stages() -> None:
 
     stats = FFNStats(rank=0, steps=10, compute_calls=60, tokens=100, bytes=0, peers=1, layers=4)
     assert bench.split_step_share(stats) == 0.5
-    with pytest.raises(RuntimeError, match="no stats line"):
+    with pytest.raises(RuntimeError, match="no afd_\\* counters on /metrics"):
         bench.split_step_share(None)
 
 
 def test_run_bench_measures_two_stages_against_one_at_batches_of_two_or_more(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from afd_runtime.ffn_service import STATS_FORMAT
-
     model = tmp_path / "tiny"
     model.mkdir()
     (model / "config.json").write_text(
@@ -532,7 +530,9 @@ def test_run_bench_measures_two_stages_against_one_at_batches_of_two_or_more(
 
     def fake_afd_servers(model: object, **kw: Any) -> tuple[FakeServer, tuple[FakeServer, ...]]:
         deployments.append(kw)
-        log = STATS_FORMAT.format(rank=0, steps=10, calls=30, tokens=10, bytes=1, peers=1, layers=2)
+        log = (
+            MetricsText().ffn(0, steps=10, calls=30, tokens=10, nbytes=1, peers=1, layers=2).text()
+        )
         ffn = FakeServer(f"{kw['prefix']}-ffn", log, events)
         return FakeServer(f"{kw['prefix']}-attention", "", events), (ffn,)
 

@@ -18,7 +18,7 @@ from afd_models.demo.servers import FFNStats, QuantReport, ServerExitedError
 
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models.demo.tiny import DEMO_PROMPTS
-from afd_models_fake_servers import FakeServer
+from afd_models_fake_servers import FakeServer, MetricsText
 
 
 def test_demo_defaults_are_the_tiny_qwen_model() -> None:
@@ -202,15 +202,14 @@ def test_render_report_pass() -> None:
 
 def test_ffn_stats_are_parsed_and_rendered() -> None:
     from afd_models.demo.servers import parse_ffn_stats
-    from afd_runtime.ffn_service import STATS_FORMAT
 
-    def line(steps: int, calls: int, tokens: int, nbytes: int) -> str:
-        return STATS_FORMAT.format(
-            rank=0, steps=steps, calls=calls, tokens=tokens, bytes=nbytes, peers=2, layers=4
-        )
-
-    log = f"noise\n{line(1, 4, 8, 100)}\n(Worker) INFO x\n{line(10, 40, 200, 20480)}\n"
-    stats = parse_ffn_stats(log)
+    text = (
+        MetricsText()
+        .ffn(0, steps=10, calls=40, tokens=200, nbytes=20480, peers=2, layers=4)
+        .param_bytes("ffn", 0, 5)
+        .text()
+    )
+    stats = parse_ffn_stats(text)
     assert set(stats) == {0}
     s = stats[0]
     assert (s.steps, s.compute_calls, s.tokens, s.bytes, s.peers, s.layers) == (
@@ -221,9 +220,10 @@ def test_ffn_stats_are_parsed_and_rendered() -> None:
         2,
         4,
     )
+    assert s.layer_calls == ((0, 10), (1, 10), (2, 10), (3, 10))
     assert (s.calls_per_step, s.tokens_per_call) == (4.0, 5.0)
     assert (s.tokens_per_step, s.bytes_per_step) == (20.0, 2048.0)
-    assert parse_ffn_stats("nothing here") == {}
+    assert parse_ffn_stats("") == {}
     rank = FFNRankStats(0, "afd-ffn", (3 * 1024**2,), s)
     report = dataclasses.replace(_report((3, 4)), ffn_ranks=(rank,))
     text = render_report(report)
@@ -285,27 +285,23 @@ def test_render_report_without_ffn_ranks_has_no_rank_table() -> None:
 def test_run_demo_starts_waits_for_and_stops_every_ffn_rank(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    from afd_runtime.ffn_service import STATS_FORMAT
-
     events: list[str] = []
     calls: dict[str, object] = {}
 
-    def ffn_log(rank: int) -> str:
-        stats = STATS_FORMAT.format(
-            rank=rank,
-            steps=10,
-            calls=40,
-            tokens=30 + rank,
-            bytes=1000 * (rank + 1),
-            peers=1,
-            layers=4,
-        )
-        return f"AFD role=ffn param_bytes={100 + rank}\n{stats}\n"
+    def ffn_metrics(rank: int) -> str:
+        return (
+            MetricsText()
+            .param_bytes("ffn", rank, 100 + rank)
+            .ffn(rank, steps=10, calls=40, tokens=30 + rank, nbytes=1000 * (rank + 1), peers=1,
+                 layers=4)
+            .text()
+        )  # fmt: skip
 
     def fake_afd_servers(model: object, **kwargs: object) -> tuple[object, tuple[object, ...]]:
         calls.update(kwargs)
-        ffns = tuple(FakeServer(f"afd-ffn{i}", ffn_log(i), events) for i in range(2))
-        return FakeServer("afd-attention", "AFD role=attention param_bytes=7\n", events), ffns
+        ffns = tuple(FakeServer(f"afd-ffn{i}", ffn_metrics(i), events) for i in range(2))
+        attention = MetricsText().param_bytes("attention", 0, 7).text()
+        return FakeServer("afd-attention", attention, events), ffns
 
     def fake_complete_many(base_url: str, prompts: object, **kwargs: object) -> BatchResult:
         got = tuple(Completion(p, "", (1, 2), 0.1) for p in prompts)  # type: ignore[attr-defined]
@@ -341,11 +337,20 @@ def test_run_demo_starts_waits_for_and_stops_every_ffn_rank(
         "alive afd-attention",
         "alive afd-ffn0",
         "alive afd-ffn1",
+        # Every AFD server's /metrics is read while it still serves, then they stop.
+        "metrics afd-attention",
+        "metrics afd-ffn0",
+        "metrics afd-ffn1",
         "stop afd-attention",
         "stop afd-ffn0",
         "stop afd-ffn1",
     ]
     assert report.ok
+    assert [(m.name, m.role, m.ok) for m in report.metrics] == [
+        ("afd-attention", "attention", True),
+        ("afd-ffn0", "ffn", True),
+        ("afd-ffn1", "ffn", True),
+    ]
     assert report.topology == "1 attention : 2 ffn, gate on attention"
     assert [(s.name, s.role, s.param_bytes) for s in report.servers] == [
         ("plain", "monolithic", None),
@@ -361,6 +366,19 @@ def test_run_demo_starts_waits_for_and_stops_every_ffn_rank(
         (30, 1000),
         (31, 2000),
     ]
+
+
+def test_a_role_without_afd_metrics_fails_the_demo() -> None:
+    from afd_models.demo.run import MetricsCheck
+
+    served = MetricsCheck("afd-attention", "attention", 12)
+    silent = MetricsCheck("afd-ffn", "ffn", 0)
+    report = dataclasses.replace(_report((3, 4)), metrics=(served, silent))
+    assert report.parity.ok and not report.ok
+    lines = render_report(report).splitlines()
+    assert "afd_* series on /metrics: afd-attention (attention): 12, afd-ffn (ffn): 0" in lines
+    assert lines[-1] == "FAIL: no afd_* series on /metrics of afd-ffn"
+    assert dataclasses.replace(report, metrics=(served,)).ok
 
 
 def test_render_report_fail_names_the_mismatch() -> None:
@@ -655,7 +673,8 @@ def test_render_report_names_unmeasured_and_over_tolerance_ranks() -> None:
     row = next(ln for ln in lines if ln.startswith("| 1        | afd-ffn1"))
     assert [c.strip() for c in row.strip("|").split("|")][-3:] == ["-", "-", "not measured"]
     assert lines[-1] == (
-        "FAIL: quantized experts: no quant_error line from FFN rank(s) [1] (error not measured); "
+        "FAIL: quantized experts: no afd_ffn_quant_error_max_rel from FFN rank(s) [1] (error not "
+        "measured); "
         "max relative error 6.000e-01 > 5.0e-01 on FFN rank(s) [0]; 0 of 2 prompts differ from "
         "plain fp32 vLLM (not expected to be identical)"
     )
@@ -708,8 +727,9 @@ def _fake_demo_run(
 
     def fake_afd_servers(model: object, **kwargs: Any) -> tuple[object, tuple[object, ...]]:
         calls.update(kwargs)
-        ffns = tuple(FakeServer(f"afd-ffn{i}", log, events) for i, log in enumerate(ffn_logs))
-        return FakeServer("afd-attention", "", events), ffns
+        ffns = tuple(FakeServer(f"afd-ffn{i}", text, events) for i, text in enumerate(ffn_logs))
+        attention = MetricsText().param_bytes("attention", 0, 7).text()
+        return FakeServer("afd-attention", attention, events), ffns
 
     def fake_complete_many(base_url: str, prompts: Any, **kwargs: object) -> BatchResult:
         ids = (1, 2, 3) if base_url.endswith("/plain") else afd_tokens
@@ -726,21 +746,15 @@ def test_run_demo_quantized_configures_the_ffn_ranks_and_reads_their_lines(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     from afd_models.models._quantized import REPORT_ERROR_ENV
-    from afd_runtime.quantized import ERROR_FORMAT, QUANT_FORMAT
 
     def ffn_log(rank: int, err: float) -> str:
-        quant = QUANT_FORMAT.format(
-            rank=rank,
-            kind="mega",
-            scheme="w4a8_per_group",
-            group=32,
-            nbytes=300000,
-            bf16=1000000,
-            layers=4,
+        return (
+            MetricsText()
+            .quantized(rank, "mega", "w4a8_per_group", 32, 300000, 1000000, 4)
+            .quant_error(rank, 0, 6, err / 2)
+            .quant_error(rank, 0, 1, err)
+            .text()
         )
-        first = ERROR_FORMAT.format(rank=rank, layer=0, calls=1, err=err / 2)
-        last = ERROR_FORMAT.format(rank=rank, layer=0, calls=7, err=err)
-        return f"{quant}\n(EngineCore pid=1) {first}\n{last}\n"
 
     _events, calls = _fake_demo_run(
         monkeypatch, [ffn_log(0, 0.26), ffn_log(1, 0.2)], afd_tokens=(1, 5, 3)
@@ -779,7 +793,9 @@ def test_run_demo_quantized_configures_the_ffn_ranks_and_reads_their_lines(
 def test_run_demo_quantized_without_error_lines_fails(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    _fake_demo_run(monkeypatch, ["AFD role=ffn param_bytes=1\n"], afd_tokens=(1, 2, 3))
+    _fake_demo_run(
+        monkeypatch, [MetricsText().param_bytes("ffn", 0, 1).text()], afd_tokens=(1, 2, 3)
+    )
     cfg = DemoConfig(
         model=tmp_path,
         prompts=("a",),
@@ -796,7 +812,8 @@ def test_run_demo_quantized_without_error_lines_fails(
 def test_run_demo_without_quantization_sets_nothing_on_the_ffn_ranks(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    _events, calls = _fake_demo_run(monkeypatch, [""], afd_tokens=(1, 2, 3))
+    ffn = MetricsText().param_bytes("ffn", 0, 1).text()
+    _events, calls = _fake_demo_run(monkeypatch, [ffn], afd_tokens=(1, 2, 3))
     cfg = DemoConfig(model=tmp_path, prompts=("a",), log_dir=tmp_path / "logs")
     report = run.run_demo(cfg, progress=lambda msg: None)
     assert (calls["ffn_extra"], calls["ffn_env"]) == (None, None)

@@ -18,12 +18,14 @@ from afd_models.demo.client import Completion, CompletionError, complete, comple
 from afd_models.demo.parity import compare_parity, first_mismatch  # noqa: E402
 from afd_models.demo.servers import (  # noqa: E402
     EngineOptions,
+    MetricsUnavailableError,
     ServerConfig,
     ServerExitedError,
     ServerStartTimeoutError,
     VLLMServer,
     afd_config,
     afd_role_args,
+    afd_series_count,
     afd_servers,
     free_port,
     free_ports,
@@ -36,6 +38,9 @@ from afd_models.demo.servers import (  # noqa: E402
     process_tree_rss,
     wait_until_healthy,
 )
+
+sys.path.insert(0, str(Path(__file__).parent))
+from afd_models_fake_servers import MetricsText  # noqa: E402
 
 
 def _config(
@@ -51,7 +56,7 @@ def _config(
 
 
 FAKE_SERVER = r"""
-import json, sys
+import json, os, sys
 from http.server import BaseHTTPRequestHandler, HTTPServer
 
 class H(BaseHTTPRequestHandler):
@@ -65,7 +70,18 @@ class H(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
     def do_GET(self):
-        if self.path == "/health":
+        if self.path == "/metrics":
+            n = len(os.environ.get("PROMETHEUS_MULTIPROC_DIR", ""))
+            data = (
+                "# TYPE afd_param_bytes gauge\n"
+                f'afd_param_bytes{{role="ffn",rank="0"}} {n}\n'
+            ).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+        elif self.path == "/health":
             self._send(200, {})
         elif self.path == "/v1/models":
             self._send(200, {"data": [{"id": "fake-model"}]})
@@ -464,27 +480,15 @@ def test_free_ports_are_distinct() -> None:
         free_ports(0)
 
 
-STATS_LINE = (
-    "AFD FFN rank={rank} stats steps={steps} compute_calls={calls} tokens={tokens} "
-    "bytes={nbytes} peers={peers} layers={layers}"
-)
-
-
-def test_ffn_stats_line_with_bytes_is_parsed_per_rank() -> None:
-    log = "\n".join(
-        [
-            "noise",
-            STATS_LINE.format(rank=0, steps=2, calls=8, tokens=8, nbytes=4096, peers=1, layers=4),
-            "(EngineCore pid=1) "
-            + STATS_LINE.format(rank=1, steps=3, calls=6, tokens=9, nbytes=999, peers=1, layers=4),
-            STATS_LINE.format(
-                rank=0, steps=10, calls=40, tokens=250, nbytes=51200, peers=2, layers=4
-            ),
-            # The pre-bytes line format is not a counters line any more.
-            "AFD FFN rank=2 stats steps=1 compute_calls=4 tokens=8 peers=1 layers=4",
-        ]
+def test_ffn_stats_are_read_per_rank_from_metrics() -> None:
+    text = (
+        MetricsText()
+        .ffn(0, steps=10, calls=40, tokens=250, nbytes=51200, peers=2, layers=4)
+        .ffn(1, steps=3, calls=6, tokens=9, nbytes=999, peers=1, layers=4)
+        .param_bytes("ffn", 0, 5)
+        .text()
     )
-    stats = parse_ffn_stats(log)
+    stats = parse_ffn_stats(text)
     assert set(stats) == {0, 1}
     s0, s1 = stats[0], stats[1]
     assert (s0.rank, s0.steps, s0.compute_calls, s0.tokens, s0.bytes, s0.peers, s0.layers) == (
@@ -498,12 +502,16 @@ def test_ffn_stats_line_with_bytes_is_parsed_per_rank() -> None:
     )
     assert (s0.tokens_per_step, s0.bytes_per_step, s0.calls_per_step) == (25.0, 5120.0, 4.0)
     assert (s1.tokens, s1.bytes, s1.tokens_per_step, s1.bytes_per_step) == (9, 999, 3.0, 333.0)
+    # 6 calls over 4 layers: layers 0 and 1 computed twice.
+    assert s1.layer_calls == ((0, 2), (1, 2), (2, 1), (3, 1))
+    # Other processes' series (vLLM's own) are ignored; no AFD series: no rank.
+    assert parse_ffn_stats('# TYPE vllm:x counter\nvllm:x_total{a="b"} 3.0\n') == {}
 
 
 def test_ffn_stats_means_are_zero_before_the_first_step() -> None:
-    (s,) = parse_ffn_stats(
-        STATS_LINE.format(rank=0, steps=0, calls=0, tokens=0, nbytes=0, peers=1, layers=4)
-    ).values()
+    text = MetricsText().ffn(0, steps=0, calls=0, tokens=0, nbytes=0, peers=1, layers=4).text()
+    (s,) = parse_ffn_stats(text).values()
+    assert (s.steps, s.compute_calls, s.layer_calls) == (0, 0, ())
     assert (s.tokens_per_step, s.bytes_per_step, s.calls_per_step, s.tokens_per_call) == (
         0.0,
         0.0,
@@ -512,23 +520,28 @@ def test_ffn_stats_means_are_zero_before_the_first_step() -> None:
     )
 
 
-def test_ffn_stats_regex_matches_the_runtime_format() -> None:
-    """The harness parses exactly what afd-runtime prints."""
-    from afd_runtime.ffn_service import STATS_FORMAT
+def test_attention_stats_are_read_from_metrics() -> None:
+    from afd_models.demo.servers import parse_attention_stats
 
-    line = STATS_FORMAT.format(rank=1, steps=5, calls=20, tokens=40, bytes=10240, peers=2, layers=4)
-    assert line == (
-        "AFD FFN rank=1 stats steps=5 compute_calls=20 tokens=40 bytes=10240 peers=2 layers=4"
-    )
-    s = parse_ffn_stats(line)[1]
-    assert (s.steps, s.compute_calls, s.tokens, s.bytes, s.peers, s.layers) == (
-        5,
-        20,
-        40,
-        10240,
-        2,
-        4,
-    )
+    metrics = MetricsText()
+    for rank in (0, 1):
+        m = metrics.role("attention", rank)
+        m.connected()
+        m.steps.inc(5)
+        m.step_tokens.inc(20)
+        m.sent.inc(1000 * (rank + 1))
+        m.received.inc(500)
+        for layer in (1, 2):
+            m.ffn_wait(layer, 0.002)
+    metrics.role("attention", 1).reconnects.inc()
+    metrics.role("attention", 1).link_up.set(0)
+    got = parse_attention_stats(metrics.text())
+    assert [(a.rank, a.steps, a.tokens, a.sent_bytes, a.waits) for a in got.values()] == [
+        (0, 5, 20, 1000, 2),
+        (1, 5, 20, 2000, 2),
+    ]
+    assert [(a.link_up, a.reconnects) for a in got.values()] == [(True, 0), (False, 1)]
+    assert got[0].mean_wait_s == pytest.approx(0.002)
 
 
 def test_first_mismatch() -> None:
@@ -552,40 +565,30 @@ def test_compare_parity_reports_each_prompt() -> None:
 
 
 def test_parse_param_bytes_per_role_and_rank() -> None:
-    log = (
-        "(Worker_DP0 pid=1) INFO AFD role=attention param_bytes=1000\n"
-        "noise AFD role=ffn param_bytes=52\n"
-        "(Worker_DP1 pid=2) INFO AFD role=attention param_bytes=1001\n"
+    text = (
+        MetricsText()
+        .param_bytes("attention", 1, 1001)
+        .param_bytes("attention", 0, 1000)
+        .param_bytes("ffn", 0, 52)
+        .text()
     )
-    assert parse_param_bytes(log) == {"attention": (1000, 1001), "ffn": (52,)}
-    assert parse_param_bytes("nothing here") == {}
+    assert parse_param_bytes(text) == {"attention": (1000, 1001), "ffn": (52,)}
+    assert parse_param_bytes("") == {}
+    assert afd_series_count(text) > 0 and afd_series_count("") == 0
 
 
-def _quant_line(rank: int, kind: str, scheme: str, group: int, nbytes: int, bf16: int) -> str:
-    from afd_runtime.quantized import QUANT_FORMAT
-
-    return QUANT_FORMAT.format(
-        rank=rank, kind=kind, scheme=scheme, group=group, nbytes=nbytes, bf16=bf16, layers=4
-    )
-
-
-def test_parse_quantized_reads_each_ffn_ranks_quant_line() -> None:
+def test_parse_quantized_reads_each_ffn_ranks_quant_metrics() -> None:
     from afd_models.demo.servers import QuantReport
 
-    log = "\n".join(
-        [
-            "noise",
-            "(EngineCore_DP0 pid=7) " + _quant_line(0, "layered", "w8a8", 0, 540672, 1048576),
-            _quant_line(1, "mega", "w4a8_per_group", 32, 294912, 1048576),
-            "AFD FFN rank=0 stats steps=1 compute_calls=4 tokens=8 bytes=1 peers=1 layers=4",
-            _quant_line(2, "mega", "w4a8_per_channel", 0, 0, 0),
-        ]
+    text = (
+        MetricsText()
+        .quantized(0, "layered", "w8a8", 0, 540672, 1048576, 4)
+        .quantized(1, "mega", "w4a8_per_group", 32, 294912, 1048576, 4)
+        .ffn(0, steps=1, calls=4, tokens=8, nbytes=1, peers=1, layers=4)
+        .quantized(2, "mega", "w4a8_per_channel", 0, 0, 0, 4)
+        .text()
     )
-    assert _quant_line(0, "layered", "w8a8", 0, 1, 2) == (
-        "AFD FFN rank=0 quantized compute=layered scheme=w8a8 group_size=0 expert_bytes=1 "
-        "bf16_bytes=2 layers=4"
-    )
-    got = parse_quantized(log)
+    got = parse_quantized(text)
     assert got == {
         0: QuantReport(0, "layered", "w8a8", 0, 540672, 1048576, 4),
         1: QuantReport(1, "mega", "w4a8_per_group", 32, 294912, 1048576, 4),
@@ -594,55 +597,47 @@ def test_parse_quantized_reads_each_ffn_ranks_quant_line() -> None:
     assert got[0].ratio_vs_bf16 == 540672 / 1048576
     assert got[1].ratio_vs_bf16 == 0.28125
     assert got[2].ratio_vs_bf16 == 0.0
-    # The last line of a rank wins; no line: nothing.
-    again = _quant_line(0, "mega", "w8a8", 0, 7, 14)
-    assert parse_quantized(f"{log}\n{again}\n")[0].compute == "mega"
-    assert parse_quantized("nothing here") == {}
+    assert parse_quantized(MetricsText().param_bytes("ffn", 0, 1).text()) == {}
 
 
-def test_parse_quant_error_keeps_each_ranks_last_line() -> None:
-    from afd_runtime.quantized import ERROR_FORMAT
-
-    def line(rank: int, calls: int, err: float, layer: int = 0) -> str:
-        return ERROR_FORMAT.format(rank=rank, layer=layer, calls=calls, err=err)
-
-    assert line(0, 1, 0.0123) == "AFD FFN rank=0 quant_error layer=0 calls=1 max_rel=1.230e-02"
-    log = "\n".join(
-        [
-            "(EngineCore_DP0 pid=7) " + line(0, 1, 0.0123),
-            line(1, 1, 0.25, layer=1),
-            "(EngineCore_DP0 pid=7) INFO something else",
-            line(0, 9, 0.028),
-            line(1, 3, 0.31, layer=1),
-        ]
+def test_parse_quant_error_keeps_each_ranks_worst_layer() -> None:
+    text = (
+        MetricsText()
+        .quant_error(0, 0, 9, 0.028)
+        .quant_error(1, 1, 3, 0.31)
+        .quant_error(1, 2, 1, 0.05)
+        .text()
     )
-    got = parse_quant_error(log)
-    assert got == {0: (0, 9, 2.8e-2), 1: (1, 3, 3.1e-1)}
-    assert parse_quant_error(line(0, 2, 0.0)) == {0: (0, 2, 0.0)}
-    assert parse_quant_error(_quant_line(0, "layered", "w8a8", 0, 1, 2)) == {}
+    assert parse_quant_error(text) == {0: (0, 9, 2.8e-2), 1: (1, 3, 3.1e-1)}
+    assert parse_quant_error(MetricsText().quant_error(0, 0, 2, 0.0).text()) == {0: (0, 2, 0.0)}
+    quant_only = MetricsText().quantized(0, "layered", "w8a8", 0, 1, 2, 4).text()
+    assert parse_quant_error(quant_only) == {}
 
 
 def test_parse_layer_signatures_per_rank_and_layer() -> None:
-    from afd_runtime.quantized import SIGNATURE_FORMAT
-
-    def line(rank: int, layer: int, digest: str) -> str:
-        return SIGNATURE_FORMAT.format(rank=rank, layer=layer, kind="mega", digest=digest)
-
-    assert line(0, 3, "ab12") == "AFD FFN rank=0 layer=3 compute=mega signature=ab12"
-    log = "\n".join(
-        [
-            _quant_line(0, "mega", "w8a8", 0, 1, 2),
-            line(0, 0, "0f" * 32),
-            "(EngineCore_DP0 pid=7) " + line(0, 1, "1e" * 32),
-            line(1, 0, "2d" * 32),
-            line(0, 1, "3c" * 32),
-        ]
-    )
-    assert parse_layer_signatures(log) == {
+    metrics = MetricsText()
+    metrics.role("ffn", 0).signature(0, "mega", "0f" * 32)
+    metrics.role("ffn", 0).signature(1, "mega", "3c" * 32)
+    metrics.role("ffn", 1).signature(0, "mega", "2d" * 32)
+    assert parse_layer_signatures(metrics.text()) == {
         0: {0: "0f" * 32, 1: "3c" * 32},
         1: {0: "2d" * 32},
     }
-    assert parse_layer_signatures("AFD FFN rank=0 layer=1 compute=mega") == {}
+    assert parse_layer_signatures(MetricsText().param_bytes("ffn", 0, 1).text()) == {}
+
+
+@pytest.mark.timeout(60)
+def test_metrics_text_reads_slash_metrics_and_servers_get_no_inherited_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stale PROMETHEUS_MULTIPROC_DIR of the caller never reaches a server (the fake server
+    reports the length of the value it got as afd_param_bytes)."""
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "stale"))
+    with _fake_server(tmp_path) as server:
+        text = server.metrics_text()
+        assert parse_param_bytes(text) == {"ffn": (0,)}
+    with pytest.raises(MetricsUnavailableError, match=r"fake.*/metrics did not answer"):
+        server.metrics_text(timeout_s=2)
 
 
 @pytest.mark.timeout(60)

@@ -89,9 +89,21 @@ class StepRecordingCompute:
 compute = StepRecordingCompute()
 
 
+def _afd_counters(since: dict[str, float] | None = None) -> dict[str, float]:
+    """This process's afd_* counters of FFN rank 0 (prometheus_client's default registry), minus
+    ``since`` (the ranks may share one process with earlier services)."""
+    from prometheus_client import REGISTRY
+
+    labels = {"role": "ffn", "rank": "0"}
+    names = ("afd_steps_total", "afd_connections_total", "afd_refusals_total")
+    base = since or {}
+    return {n: (REGISTRY.get_sample_value(n, labels) or 0.0) - base.get(n, 0.0) for n in names}
+
+
 def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: Any) -> None:
     cfg = config("ffn", port, num_attention_ranks=num_attention, compute_gate_on_attention=gate)
     compute = StepRecordingCompute()  # per service (the ranks may share one process)
+    before = _afd_counters()
     svc = FFNService(cfg, 0, LAYERS, compute, lambda: connector(cfg, 0))
     svc.start()
     deadline = time.monotonic() + 200
@@ -104,7 +116,14 @@ def ffn_main(port: int, num_attention: int, expected_steps: int, gate: bool, q: 
     q.put(
         (
             "ffn",
-            (stats.steps, stats.compute_calls, stats.tokens, svc.deployments, svc.refusals),
+            (
+                stats.steps,
+                stats.compute_calls,
+                stats.tokens,
+                svc.deployments,
+                svc.refusals,
+                _afd_counters(before),
+            ),
             None if err is None else f"{type(err).__name__}: {err}",
         )
     )

@@ -153,6 +153,7 @@ def test_ffn_service_batches_its_peers_through_the_selected_connector(
         computed.append((layer, hidden.clone()))
         return hidden + 1
 
+    before = _ffn_samples()
     svc = FFNService(cfg, 0, (1, 3), compute, lambda: build_connector(cfg, 0, SPEC, (1, 3), "cpu"))
     svc.start()
     try:
@@ -181,7 +182,31 @@ def test_ffn_service_batches_its_peers_through_the_selected_connector(
     assert torch.equal(sent[0][2], computed[0][1] + 1)
     assert tuple(sent[2][2].shape) == (0, HIDDEN)
     assert (svc.stats.steps, svc.stats.compute_calls, svc.stats.tokens) == (3, 4, 12)
+    # The same counts on the role's metrics: one call per layer and step with tokens.
+    assert _ffn_samples() == {
+        "steps": before["steps"] + 3,
+        "tokens": before["tokens"] + 12,
+        "layer 1": before["layer 1"] + 2,
+        "layer 3": before["layer 3"] + 2,
+    }
     assert not svc.failed
+
+
+def _ffn_samples() -> dict[str, float]:
+    """FFN rank 0's afd_* counters in this process (shared by every test: compare deltas)."""
+    from prometheus_client import REGISTRY
+
+    labels = {"role": "ffn", "rank": "0"}
+
+    def get(name: str, **extra: str) -> float:
+        return REGISTRY.get_sample_value(name, {**labels, **extra}) or 0.0
+
+    return {
+        "steps": get("afd_steps_total"),
+        "tokens": get("afd_ffn_tokens_per_call_sum"),
+        "layer 1": get("afd_ffn_compute_calls_total", layer="1"),
+        "layer 3": get("afd_ffn_compute_calls_total", layer="3"),
+    }
 
 
 def test_two_stage_deployment_announces_an_unsplit_step_with_an_empty_second_stage(

@@ -236,14 +236,17 @@ def _blocking_init(seen: list[Any]) -> Any:
 
 
 def test_engine_client_sigterm_during_startup_exits_zero_for_afd(
-    sigterm_raises_keyboard_interrupt: None,
+    sigterm_raises_keyboard_interrupt: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     seen: list[Any] = []
+    enabled: list[int] = []
+    monkeypatch.setattr(patches, "enable_multiprocess_metrics", lambda: enabled.append(len(seen)))
     init = patches.engine_client_init(_blocking_init(seen))
     with pytest.raises(SystemExit) as exit_:
         init(object(), True, AFD_CFG, None, False)
     assert exit_.value.code == 0
     assert seen == [AFD_CFG]
+    assert enabled == [0]  # afd_* metrics turned on before the engine cores start
     import gc
 
     gc.unfreeze()
@@ -251,11 +254,14 @@ def test_engine_client_sigterm_during_startup_exits_zero_for_afd(
 
 
 def test_engine_client_without_afd_keeps_vllm_behaviour(
-    sigterm_raises_keyboard_interrupt: None,
+    sigterm_raises_keyboard_interrupt: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    enabled: list[bool] = []
+    monkeypatch.setattr(patches, "enable_multiprocess_metrics", lambda: enabled.append(True))
     init = patches.engine_client_init(_blocking_init([]))
     with pytest.raises(KeyboardInterrupt):
         init(object(), True, PLAIN_CFG, None, False)
+    assert enabled == []
 
 
 GIB = 2**30

@@ -210,12 +210,19 @@ def test_layered_and_mega_compute_identical_outputs_and_mega_binds_per_connectio
         a, b = layered(layer, x, None), mega(layer, x, None)
         assert a.shape == (5, 64) and torch.equal(a, b)
         assert a.data_ptr() != layered(layer, x, None).data_ptr()  # the reply owns its rows
-    # One signature line per layer, distinct layers, the scheme and bytes in the first line.
-    lines = layered.report()
-    assert lines[0].startswith("AFD FFN rank=0 quantized compute=layered scheme=w4a8_per_channel")
-    assert f"expert_bytes={model.afd_quantized_weights.nbytes()}" in lines[0]
-    digests = [line.split("signature=")[1] for line in lines[1:]]
-    assert len(digests) == 2 and digests[0] != digests[1]
+    # Published as metrics: the scheme and bytes, one signature per layer, distinct layers.
+    from prometheus_client import REGISTRY
+
+    signatures = layered.report()
+    labels = {"role": "ffn", "rank": "0"}
+    quant = {**labels, "compute": "layered", "scheme": "w4a8_per_channel", "group_size": "0"}
+    assert REGISTRY.get_sample_value("afd_ffn_quantized_expert_bytes", quant) == (
+        model.afd_quantized_weights.nbytes()
+    )
+    assert sorted(signatures) == [1, 3] and signatures[1] != signatures[3]
+    for layer, digest in signatures.items():
+        sig = {**labels, "layer": str(layer), "compute": "layered", "signature": digest}
+        assert REGISTRY.get_sample_value("afd_ffn_compute_signature_info", sig) == 1
     assert layered.role_agreement() == {
         "expert_quant": "w4a8_per_channel",
         "group_size": 0,

@@ -80,7 +80,8 @@ def test_service_batches_two_attention_ranks_per_layer() -> None:
     assert out["attention1"] == (True, None)
     # 3 steps, 2 layers: one compute call per layer per step over both ranks' tokens.
     tokens = sum(2 * n + 1 for n in ranks.STEPS) * len(ranks.LAYERS)
-    assert out["ffn"] == ((3, 3 * len(ranks.LAYERS), tokens, 1, 0), None)
+    counters = {"afd_steps_total": 3, "afd_connections_total": 1, "afd_refusals_total": 0}
+    assert out["ffn"] == ((3, 3 * len(ranks.LAYERS), tokens, 1, 0, counters), None)
     # Every call ran inside its step's scope, entered once per step with the step's batch.
     steps = [(2 * n + 1, len(ranks.LAYERS)) for n in ranks.STEPS]
     assert out["ffn-steps"] == (steps, 0)
@@ -104,8 +105,9 @@ def test_ffn_outlives_an_attention_restart() -> None:
     out = _run(1, "ok", expected_steps=6, sessions=2)
     assert out["attention0"] == (True, None)
     assert out["attention0s1"] == (True, None)
-    steps, _calls, _tokens, deployments, _refusals = out["ffn"][0]
+    steps, _calls, _tokens, deployments, _refusals, counters = out["ffn"][0]
     assert (steps, deployments) == (6, 2)
+    assert (counters["afd_steps_total"], counters["afd_connections_total"]) == (6, 2)
     assert out["ffn"][1] is None
 
 
@@ -119,9 +121,9 @@ def test_a_disagreeing_attention_is_refused_and_the_ffn_serves_the_next() -> Non
     assert err is not None and err.startswith("AFDHandshakeError")
     assert "compute_gate_on_attention" in err
     assert out["attention0s1"] == (True, None)
-    steps, _calls, _tokens, deployments, refusals = out["ffn"][0]
+    steps, _calls, _tokens, deployments, refusals, counters = out["ffn"][0]
     assert (steps, deployments) == (3, 1)
-    assert refusals >= 1
+    assert refusals >= 1 and counters["afd_refusals_total"] == refusals
     assert out["ffn"][1] is None  # no service error: the FFN did not fail
 
 

@@ -32,6 +32,8 @@ from afd_core.connector import AFDConnectorBase
 from afd_core.errors import AFDConnectorError, AFDPeerError
 from afd_core.metadata import AFDControlMessage
 
+from afd_runtime.metrics import RoleMetrics
+
 logger = logging.getLogger(__name__)
 
 #: Pause between two reconnection attempts of a link that is down.
@@ -70,8 +72,16 @@ def say_goodbye(connector: AFDConnectorBase) -> None:
 class AttentionLink:
     """An initialised Attention-side connector kept up across FFN losses (module docstring)."""
 
-    def __init__(self, connector: AFDConnectorBase, *, name: str = "") -> None:
+    def __init__(
+        self,
+        connector: AFDConnectorBase,
+        *,
+        name: str = "",
+        metrics: RoleMetrics | None = None,
+    ) -> None:
         self.connector = connector
+        #: ``afd_link_up``, ``afd_connections_total``, ``afd_reconnects_total`` of this rank.
+        self.metrics = metrics or RoleMetrics("attention", int(getattr(connector, "role_rank", 0)))
         self.name = name or f"attention-{connector.role_rank}"
         self._lock = threading.Lock()  # held by a step while it uses the connector
         self._down: AFDConnectorError | None = None
@@ -86,6 +96,7 @@ class AttentionLink:
         start the supervisor thread. ``init`` replaces ``connector.init`` for this first one
         (the worker's makes it end on SIGTERM)."""
         (init or self.connector.init)()
+        self.metrics.connected()
         self._thread = threading.Thread(
             target=self._supervise, name=f"afd-link-{self.name}", daemon=True
         )
@@ -99,6 +110,7 @@ class AttentionLink:
         if self._closing.is_set():
             return
         self._closing.set()
+        self.metrics.link_up.set(0)
         # A step still running (it cannot be: vLLM stops stepping before it shuts workers
         # down) would own the connector: then leave it to the process exit.
         if not self._lock.acquire(timeout=SUPERVISE_POLL_S * 5):
@@ -142,6 +154,7 @@ class AttentionLink:
                 if failure is None:
                     raise
                 self._down = failure
+                self.metrics.link_up.set(0)
                 raise AFDFFNUnavailableError(failure) from err
 
     # -- supervisor ------------------------------------------------------------------------
@@ -157,6 +170,7 @@ class AttentionLink:
                 if self._down is None:
                     self._down = failure
                 self.connector.close()
+                self.metrics.link_up.set(0)
             logger.warning(
                 "AFD Attention %s lost its FFN role (%s: %s); reconnecting",
                 self.name,
@@ -187,6 +201,8 @@ class AttentionLink:
             with self._lock:
                 self._down = None
             self.reconnects += 1
+            self.metrics.reconnects.inc()
+            self.metrics.connected()
             logger.info("AFD Attention %s reconnected to its FFN role", self.name)
             return True
         return False

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -74,6 +73,7 @@ from afd_core.topology import AFDTopology
 
 from afd_runtime.compute import FFNCompute, SteppedFFNCompute
 from afd_runtime.faults import delay_injector, raise_if_injected
+from afd_runtime.metrics import RoleMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -81,13 +81,6 @@ logger = logging.getLogger(__name__)
 CONNECT_RETRY_S = 1.0
 #: How long :meth:`FFNService.stop` waits for a step in progress to finish.
 FFN_STOP_JOIN_S = 5.0
-#: How often (at most) the service prints its counters while they change.
-STATS_INTERVAL_S = 2.0
-#: The counters line (printed, not only logged, so log parsers find it without a prefix).
-STATS_FORMAT = (
-    "AFD FFN rank={rank} stats steps={steps} compute_calls={calls} tokens={tokens} "
-    "bytes={bytes} peers={peers} layers={layers}"
-)
 
 ConnectorFactory = Callable[[], AFDConnectorBase]
 
@@ -98,7 +91,8 @@ class FFNServiceError(AFDError):
 
 @dataclass
 class FFNServiceStats:
-    """Counters of one FFN rank (monotonic for the life of the service).
+    """Counters of one FFN rank (monotonic for the life of the service), kept in step with the
+    ``afd_*`` metrics the service publishes (:class:`afd_runtime.metrics.RoleMetrics`).
 
     ``compute_calls / steps`` is the number of compute calls per step: with batching it equals
     the number of MoE layers times stages, whatever the number of served Attention ranks.
@@ -108,6 +102,7 @@ class FFNServiceStats:
     compute_calls: int = 0
     tokens: int = 0
     bytes: int = 0  # payload bytes received (every field, every layer)
+    sent_bytes: int = 0  # reply bytes sent
 
     @property
     def tokens_per_call(self) -> float:
@@ -185,11 +180,11 @@ class FFNService:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
         self.stats = FFNServiceStats()
+        self.metrics = RoleMetrics("ffn", ffn_rank)
+        self.metrics.ffn_shape(self.num_peers, len(self.layer_indices))
         self.deployments = 0  # Attention deployments served (initialised connectors)
         self.refusals = 0  # Attention deployments refused at the handshake
         self._last_refusal = ""
-        self._printed: tuple[int, int, int] = (0, 0, 0)
-        self._printed_at = 0.0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:
@@ -239,7 +234,7 @@ class FFNService:
                 finally:
                     connector.close()
                     self._connector = None
-                    self._print_stats(force=True)
+                    self.metrics.link_up.set(0)
         except BaseException as exc:
             if not self._stop.is_set():
                 logger.error("AFD FFN rank %d service failed: %s", self.ffn_rank, exc)
@@ -279,6 +274,7 @@ class FFNService:
                 self._idle.clear()
             self._connector = connector
             self.deployments += 1
+            self.metrics.connected()
             logger.info(
                 "AFD FFN rank %d serving %d Attention rank(s) through connector %r",
                 self.ffn_rank,
@@ -305,6 +301,7 @@ class FFNService:
                 text,
             )
         self.refusals += 1
+        self.metrics.refusals.inc()
         return True
 
     def _serve(self, connector: AFDConnectorBase) -> None:
@@ -341,7 +338,8 @@ class FFNService:
                 logger.warning("AFD FFN rank %d lost a peer mid-step: %s", self.ffn_rank, exc)
                 return
             self.stats.steps += 1
-            self._print_stats()
+            self.metrics.steps.inc()
+            self.metrics.step_tokens.inc(sum(sum(c) for c in msg.stage_token_counts))
 
     def _serve_step(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
         scope = self._step_scope
@@ -379,9 +377,10 @@ class FFNService:
                         raise
                     stats.compute_calls += 1
                     stats.tokens += total
+                    self.metrics.compute_call(layer, total)
                 else:
                     out = batch_payloads(payloads)[0]  # zero rows for every peer
-                stats.bytes += _payload_bytes(payloads)
+                self._count_bytes(payloads, out)
                 connector.send_ffn_output(out, meta)
 
     def _compute_what(self, layer: int) -> str:
@@ -408,23 +407,14 @@ class FFNService:
                     raise
                 stats.compute_calls += 1
                 stats.tokens += total
-                stats.bytes += _payload_bytes(payloads)
+                self.metrics.compute_call(layer, total)
+                self._count_bytes(payloads, out)
                 connector.send_ffn_output(out, meta)
 
-    def _print_stats(self, force: bool = False) -> None:
-        s = self.stats
-        now = time.monotonic()
-        current = (s.steps, s.compute_calls, s.tokens)
-        if current == self._printed or (not force and now - self._printed_at < STATS_INTERVAL_S):
-            return
-        self._printed, self._printed_at = current, now
-        line = STATS_FORMAT.format(
-            rank=self.ffn_rank,
-            steps=s.steps,
-            calls=s.compute_calls,
-            tokens=s.tokens,
-            bytes=s.bytes,
-            peers=self.num_peers,
-            layers=len(self.layer_indices),
-        )
-        print(line, flush=True)
+    def _count_bytes(self, payloads: Sequence[AFDPayload], out: torch.Tensor) -> None:
+        received = _payload_bytes(payloads)
+        sent = out.numel() * out.element_size()
+        self.stats.bytes += received
+        self.stats.sent_bytes += sent
+        self.metrics.received.inc(received)
+        self.metrics.sent.inc(sent)

@@ -41,8 +41,12 @@
    ``KeyboardInterrupt``. It also watches the engine cores it started for a fatal error
    (:func:`record_engine_processes`: wraps ``validate_alive`` on that client's resources object,
    and keeps the engine-core processes): vLLM's API server exits with status 0 when its engine
-   core died, and ``afd serve`` asks :func:`engine_failures` to exit with 1 instead. No AFD:
-   unchanged.
+   core died, and ``afd serve`` asks :func:`engine_failures` to exit with 1 instead. Before it
+   starts the engine cores, it turns on prometheus_client's multiprocess mode with
+   vLLM's own ``setup_multiprocess_prometheus``
+   (:func:`afd_runtime.metrics.enable_multiprocess_metrics`), so the ``afd_*`` metrics of the
+   engine core processes reach this API server's ``/metrics`` (vLLM's stat loggers, built after
+   the client, follow). No AFD: unchanged.
 
 Invariants: idempotent (a marker attribute on each patched function); refuses any vLLM that is
 not 0.32.x with :class:`afd_runtime.vllm_compat.UnsupportedVLLMError`, before patching anything.
@@ -65,6 +69,7 @@ from afd_core.errors import AFDConfigError
 from afd_core.session.access import deployment_secret
 
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
+from afd_runtime.metrics import enable_multiprocess_metrics
 from afd_runtime.signals import termination_reaches_main_thread
 from afd_runtime.vllm_compat import check_vllm_version
 from afd_runtime.workers import afd_worker_qualname
@@ -298,6 +303,8 @@ def engine_client_init(original: Callable[..., None]) -> Callable[..., None]:
         if not _is_afd_config(vllm_config):
             original(self, asyncio_mode, vllm_config, *args, **kwargs)
             return
+        # Before the engine cores start: their afd_* metrics then reach this server's /metrics.
+        enable_multiprocess_metrics()
         forwarder = None
         try:
             with termination_reaches_main_thread() as forwarder:

@@ -25,7 +25,7 @@ fail (a real bind failure on CPU has no other trigger; see :mod:`afd_runtime.fau
 from __future__ import annotations
 
 import logging
-from typing import Any, Final, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from afd_compute_npu import (
@@ -43,20 +43,9 @@ from afd_core.metadata import AFDPayloadSpec
 from afd_weights import QuantizedExpertWeights
 
 from afd_runtime.faults import FAULT_ENV, raise_if_injected  # noqa: F401  (FAULT_ENV: re-exported)
+from afd_runtime.metrics import RoleMetrics
 
 logger = logging.getLogger(__name__)
-
-#: Printed once per FFN rank (a stable, prefix-free line for log parsers).
-QUANT_FORMAT: Final[str] = (
-    "AFD FFN rank={rank} quantized compute={kind} scheme={scheme} group_size={group} "
-    "expert_bytes={nbytes} bf16_bytes={bf16} layers={layers}"
-)
-SIGNATURE_FORMAT: Final[str] = "AFD FFN rank={rank} layer={layer} compute={kind} signature={digest}"
-#: Printed when the model measures accuracy (its ``afd_reference_output`` returns a tensor): the
-#: max over calls of ``max|y - ref| / max|ref|`` of that layer, on the tokens served.
-ERROR_FORMAT: Final[str] = (
-    "AFD FFN rank={rank} quant_error layer={layer} calls={calls} max_rel={err:.3e}"
-)
 
 
 @runtime_checkable
@@ -118,6 +107,7 @@ class QuantizedFFNCompute:
             LayeredCompute(self.weights, self.config, self.backend) if kind == "layered" else None
         )
         self.binds = 0
+        self.metrics = RoleMetrics("ffn", ffn_rank)
         self._errors: dict[int, tuple[int, float]] = {}  # layer -> (calls, max relative error)
 
     @property
@@ -156,30 +146,31 @@ class QuantizedFFNCompute:
         self.binds += 1
         logger.info("AFD FFN rank %d: Mega bound to %s", self.ffn_rank, info.name)
 
-    def report(self) -> list[str]:
-        """The lines an FFN rank prints once: the quantized bytes and each layer's signature."""
+    def report(self) -> dict[int, str]:
+        """Publish what an FFN rank reports once (the quantized expert bytes, the same experts'
+        bf16 bytes, each layer's compute signature: ``afd_ffn_quantized_*`` and
+        ``afd_ffn_compute_signature_info``); returns ``layer -> signature digest``."""
         g = self.weights.geometry
-        lines = [
-            QUANT_FORMAT.format(
-                rank=self.ffn_rank,
-                kind=self.name,
-                scheme=self.weights.scheme.value,
-                group=self.weights.group_size,
-                nbytes=self.weights.nbytes(),
-                bf16=g.bf16_bytes_per_layer() * g.num_layers,
-                layers=g.num_layers,
-            )
-        ]
+        self.metrics.quantized(
+            self.name,
+            self.weights.scheme.value,
+            self.weights.group_size,
+            self.weights.nbytes(),
+            g.bf16_bytes_per_layer() * g.num_layers,
+        )
+        signatures = {}
         for layer in self.weights.layer_ids:
-            lines.append(
-                SIGNATURE_FORMAT.format(
-                    rank=self.ffn_rank,
-                    layer=layer,
-                    kind=self.name,
-                    digest=self.layer_signature(layer),
-                )
-            )
-        return lines
+            digest = signatures[layer] = self.layer_signature(layer)
+            self.metrics.signature(layer, self.name, digest)
+        logger.info(
+            "AFD FFN rank %d: quantized compute %s, scheme %s, group size %d, %d expert bytes",
+            self.ffn_rank,
+            self.name,
+            self.weights.scheme.value,
+            self.weights.group_size,
+            self.weights.nbytes(),
+        )
+        return signatures
 
     def layer_signature(self, layer_id: int) -> str:
         """The compute graph signature digest of one layer: kind, backend, that layer's tensor
@@ -238,8 +229,4 @@ class QuantizedFFNCompute:
         err = float((out.float() - ref).abs().max()) / scale
         calls, worst = self._errors.get(layer_idx, (0, 0.0))
         self._errors[layer_idx] = (calls + 1, max(worst, err))
-        if calls == 0 or err > worst:
-            line = ERROR_FORMAT.format(
-                rank=self.ffn_rank, layer=layer_idx, calls=calls + 1, err=max(worst, err)
-            )
-            print(line, flush=True)
+        self.metrics.quant_error(layer_idx, max(worst, err))

@@ -2,7 +2,8 @@
 
 The byte count of a module's parameters (:func:`afd_weights.param_bytes`, shared tensors counted
 once) lives in afd-weights, where the model adapters (afd-models) use it too; this module picks the
-number a role reports (:func:`model_param_bytes`) and prints it (:func:`report_param_bytes`).
+number a role reports (:func:`model_param_bytes`) and publishes it (:func:`report_param_bytes`:
+the ``afd_param_bytes`` gauge of :mod:`afd_runtime.metrics`, and a log line for humans).
 
 Invariants:
 * :func:`require_afd_config` returns the parsed ``additional_config["afd"]`` whose role equals the
@@ -21,10 +22,9 @@ from afd_core.config import AFDConfig, AFDRole, parse_afd_config
 from afd_core.errors import AFDConfigError
 from afd_weights import param_bytes
 
-logger = logging.getLogger(__name__)
+from afd_runtime.metrics import RoleMetrics
 
-#: The line the demo parses: ``AFD role=<role> param_bytes=<n>``.
-PARAM_BYTES_FORMAT = "AFD role={role} param_bytes={n}"
+logger = logging.getLogger(__name__)
 
 
 def require_afd_config(vllm_config: Any, role: AFDRole) -> AFDConfig:
@@ -88,10 +88,10 @@ def model_param_bytes(model: torch.nn.Module) -> int:
     return int(measured) if isinstance(measured, int) else param_bytes(model)
 
 
-def report_param_bytes(role: AFDRole, model: torch.nn.Module) -> int:
-    """Print ``AFD role=<role> param_bytes=<n>`` for ``model`` (see :func:`model_param_bytes`)."""
+def report_param_bytes(metrics: RoleMetrics, model: torch.nn.Module) -> int:
+    """Publish ``model``'s bytes (see :func:`model_param_bytes`) as ``afd_param_bytes`` of
+    ``metrics``' role rank, log them, and return them."""
     n = model_param_bytes(model)
-    line = PARAM_BYTES_FORMAT.format(role=role.value, n=n)
-    # Printed (not only logged) so the line has a stable, prefix-free form for log parsers.
-    print(line, flush=True)
+    metrics.param_bytes(n)
+    logger.info("AFD role=%s param_bytes=%d (rank %d)", metrics.role, n, metrics.rank)
     return n

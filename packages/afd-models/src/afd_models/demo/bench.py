@@ -10,7 +10,7 @@ One run measures, on this host:
   size for each F of :attr:`BenchConfig.ffn_ranks` (F > 1 is expert parallelism: each FFN rank
   holds ``1/F`` of the routed experts; F = 1 always runs as the reference), and the payload bytes
   the Attention role sent per step: the sum over the FFN ranks of each rank's received
-  ``bytes / steps`` (its ``AFD FFN rank=<f> stats ...`` line), over the deployment's whole run
+  ``bytes / steps`` (its ``afd_received_bytes_total`` / ``afd_steps_total`` on ``/metrics``), over the deployment's whole run
   (warm-up rounds and every batch size: the same requests for every F), with its ratio to F = 1;
 * unless :attr:`BenchConfig.stages` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
   ``num_stages=2`` at each batch size of at least 2 (a one-request step runs one stage), against
@@ -24,8 +24,9 @@ One run measures, on this host:
   the FFN rank's quantized computes (:data:`QUANTIZED_SETUPS`: Layered on W8A8 experts, Mega on
   W4A8 per-channel experts) at each batch size, against the native fp32 ``afd 1:1`` row and
   plain vLLM of the same batch size, with the expert bytes the FFN rank reported against the
-  same experts in bf16 (its ``AFD FFN rank=<f> quantized ...`` line; its absence fails the run:
-  the rank did not compute quantized).
+  same experts in bf16 (its ``afd_ffn_quantized_*`` metrics; their absence fails the run: the
+  rank did not compute quantized). Every counter is read from the servers' ``/metrics`` after the
+  last measurement, before they stop.
 
 TPOT of one request is ``(t_last - t_first) / (max_tokens - 1)`` over its streamed chunks (the
 decode phase only: prefill is before the first chunk); ``batch`` requests start together and run
@@ -380,12 +381,18 @@ def _run_setup(
     batches: Sequence[int],
     cfg: BenchConfig,
     setup: str,
+    metrics: dict[str, str] | None = None,
 ) -> list[TPOTRow]:
+    """Start ``servers``, measure ``front`` at each batch size, stop them all; with ``metrics``,
+    first store each server's ``/metrics`` text under its name (read while it still serves)."""
     for s in reversed(servers):
         s.start()
     try:
         wait_until_healthy(list(servers))
-        return [measure_tpot(front, b, cfg, setup) for b in batches]
+        rows = [measure_tpot(front, b, cfg, setup) for b in batches]
+        if metrics is not None:
+            metrics.update({s.name: s.metrics_text() for s in servers})
+        return rows
     finally:
         stop_all(servers)
 
@@ -428,10 +435,12 @@ def traffic_row(
 ) -> TrafficRow:
     """The :class:`TrafficRow` of a deployment from its FFN ranks' counters (``stats[i]`` of
     FFN rank ``i``); ``reference_bytes_per_step`` is the 1-FFN-rank deployment's (None: this one
-    is the reference). Raises :class:`RuntimeError` when a rank printed no counters."""
+    is the reference). Raises :class:`RuntimeError` when a rank published no counters."""
     missing = [rank for rank, s in enumerate(stats) if s is None]
     if not stats or missing:
-        raise RuntimeError(f"{setup}: no stats line from FFN rank(s) {missing or [0]}")
+        raise RuntimeError(
+            f"{setup}: no afd_* counters on /metrics of FFN rank(s) {missing or [0]}"
+        )
     ranks = [s for s in stats if s is not None]
     per_step = sum(s.bytes_per_step for s in ranks)
     reference = per_step if reference_bytes_per_step is None else reference_bytes_per_step
@@ -472,10 +481,12 @@ def quantized_rows(
     report: QuantReport | None,
 ) -> list[QuantizedRow]:
     """``setup``'s TPOT rows against the native ``afd 1:1`` and the plain rows of the same batch
-    size; ``report`` is the FFN rank's quantized-compute line. Raises :class:`RuntimeError` when
-    that line is missing (the FFN rank did not serve the quantized compute)."""
+    size; ``report`` is the FFN rank's quantized-compute metrics. Raises :class:`RuntimeError`
+    when they are missing (the FFN rank did not serve the quantized compute)."""
     if report is None:
-        raise RuntimeError(f"{setup.setup}: no quantized-compute line from FFN rank 0")
+        raise RuntimeError(
+            f"{setup.setup}: no afd_ffn_quantized_expert_bytes on /metrics of FFN rank 0"
+        )
     native_by_batch = {r.batch: r for r in native}
     plain_by_batch = {r.batch: r for r in plain}
     out = []
@@ -549,7 +560,7 @@ def split_step_share(stats: FFNStats | None) -> float:
     """The share of an FFN rank's steps whose second stage carried tokens: a split step makes
     ``2 L`` compute calls, a one-stage step ``L`` (its empty stage computes nothing)."""
     if stats is None or not stats.steps:
-        raise RuntimeError("two-stage setup: no stats line from FFN rank 0")
+        raise RuntimeError("two-stage setup: no afd_* counters on /metrics of FFN rank 0")
     return stats.compute_calls / (stats.steps * stats.layers) - 1.0
 
 
@@ -665,9 +676,10 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             prefix="bench-1a1f-stages2" if width == "tiny" else f"bench-1a1f-{width}-stages2",
             progress=progress,
         )
-        two = _run_setup([attention, *ffns], attention, stage_batches, cfg, two_setup)
+        metrics: dict[str, str] = {}
+        two = _run_setup([attention, *ffns], attention, stage_batches, cfg, two_setup, metrics)
         stage_tpot += two
-        split = split_step_share(parse_ffn_stats(ffns[0].log_text()).get(0))
+        split = split_step_share(parse_ffn_stats(metrics[ffns[0].name]).get(0))
         one = [r for r in (*afd_rows, *stage_tpot) if r.setup == one_setup]
         stages += stage_rows(one, two, rt, layers, split, width)
 
@@ -688,9 +700,10 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             prefix=f"bench-1a1f-{q.ffn_compute}-{q.scheme}".replace("_", "-"),
             progress=progress,
         )
-        rows_q = _run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, q.setup)
+        metrics = {}
+        rows_q = _run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, q.setup, metrics)
         quantized_tpot += rows_q
-        report = parse_quantized(ffns[0].log_text()).get(0)
+        report = parse_quantized(metrics[ffns[0].name]).get(0)
         quantized += quantized_rows(q, rows_q, native, plain_ref, report)
 
     # Gate on Attention, 1:F; F = 1 first: the bytes-per-step reference.
@@ -708,8 +721,9 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             prefix=f"bench-1a{num_ffn_ranks}f-gate-attn",
             progress=progress,
         )
-        afd_rows += _run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, setup)
-        stats = [parse_ffn_stats(f.log_text()).get(rank) for rank, f in enumerate(ffns)]
+        metrics = {}
+        afd_rows += _run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, setup, metrics)
+        stats = [parse_ffn_stats(metrics[f.name]).get(rank) for rank, f in enumerate(ffns)]
         reference = traffic[0].bytes_per_step if traffic else None
         traffic.append(traffic_row(setup, stats, reference))
 

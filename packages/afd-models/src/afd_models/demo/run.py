@@ -3,20 +3,22 @@
 Flow: build (or reuse) the tiny checkpoint unless a model path is given; run plain ``vllm serve``,
 send the prompts (concurrently), record tokens/s and RSS, stop it; start the FFN rank servers
 (one per FFN rank, each holding ``1/F`` of the routed experts) and the Attention role, send the
-same prompts to the Attention role, record tokens/s, RSS per role process tree and the parameter
-bytes each role reports (``AFD role=<role> param_bytes=<n>`` log lines), stop them all (Attention
-first) and read each FFN rank's counters (``AFD FFN rank=<f> stats ...``: batching, tokens and
-payload bytes received). Each server gets one untimed request before the timed batch. The report
+same prompts to the Attention role, record tokens/s and RSS per role process tree, read every AFD
+server's ``/metrics`` (the ``afd_*`` series of afd-runtime's README, "Metrics": the parameter
+bytes each role holds, each FFN rank's batching, tokens and payload bytes received, each
+Attention rank's wait for the FFN) and stop them all (Attention first). Each server gets one untimed request before the timed batch. The report
 holds per-prompt parity; the demo fails when any prompt differs. At most ``1 + F`` engines run
 at a time (plain alone first).
 
 Quantized experts (``DemoConfig.expert_quant`` ``w8a8`` / ``w4a8``, with ``ffn_compute`` ``layered``
 or ``mega``): the FFN ranks get the three FFN-local AFD fields and ``AFD_REPORT_QUANT_ERROR=1``,
-so each prints its quantized expert bytes (``QUANT_FORMAT``) and the max relative error of its
-first MoE layer against the same layer in fp32 on the tokens it served (``ERROR_FORMAT``). Exact
+so each publishes its quantized expert bytes (``afd_ffn_quantized_expert_bytes``) and the max
+relative error of its first MoE layer against the same layer in fp32 on the tokens it served
+(``afd_ffn_quant_error_max_rel``). Exact
 token parity is then not expected: the report adds the share of greedy tokens equal to plain
 fp32 vLLM, and the demo fails when an FFN rank's error exceeds :data:`QUANT_ERROR_TOLERANCE` of
-the scheme or when a rank printed no error line, whatever the tokens.
+the scheme or when a rank published no error, whatever the tokens. The demo also fails when an AFD
+server's ``/metrics`` shows no ``afd_*`` series.
 """
 
 from __future__ import annotations
@@ -30,13 +32,16 @@ from typing import Any, Final
 from afd_models.demo.client import BatchResult, complete_many
 from afd_models.demo.parity import ParityResult, compare_parity
 from afd_models.demo.servers import (
+    AttentionStats,
     EngineOptions,
     FFNStats,
     Progress,
     QuantReport,
     VLLMServer,
+    afd_series_count,
     afd_servers,
     parity_options,
+    parse_attention_stats,
     parse_ffn_stats,
     parse_param_bytes,
     parse_quant_error,
@@ -153,7 +158,7 @@ class ServerStats:
 @dataclass(frozen=True)
 class FFNRankStats:
     """One FFN rank of the AFD deployment: its server, the (routed-expert) parameter bytes it
-    reports (``AFD role=ffn param_bytes=<n>``, one entry per worker) and its last counters line
+    reports (``afd_param_bytes``, one entry per worker) and its counters from ``/metrics``
     (None when absent)."""
 
     rank: int
@@ -163,9 +168,22 @@ class FFNRankStats:
 
 
 @dataclass(frozen=True)
+class MetricsCheck:
+    """One AFD server's ``/metrics``: how many ``afd_*`` series it showed while serving."""
+
+    name: str
+    role: str
+    afd_series: int
+
+    @property
+    def ok(self) -> bool:
+        return self.afd_series > 0
+
+
+@dataclass(frozen=True)
 class QuantRankStats:
-    """One FFN rank of a quantized run: its quantized-compute line (None when absent) and its
-    last ``quant_error`` line as ``(layer, calls, max_rel)`` (None: not measured)."""
+    """One FFN rank of a quantized run: its quantized-compute metrics (None when absent) and its
+    measured error as ``(layer, calls, max_rel)`` (None: not measured)."""
 
     rank: int
     name: str
@@ -179,7 +197,7 @@ class QuantSummary:
     (:data:`QUANT_ERROR_TOLERANCE`), each FFN rank's measurements, and how many greedy tokens
     equal plain fp32 vLLM's (position by position, over all prompts; see :func:`token_match`).
 
-    ``ok`` when every FFN rank printed an error line and each is within ``tolerance``."""
+    ``ok`` when every FFN rank published an error and each is within ``tolerance``."""
 
     ffn_compute: str
     expert_quant: str
@@ -196,7 +214,7 @@ class QuantSummary:
 
     @property
     def unmeasured(self) -> tuple[int, ...]:
-        """FFN ranks that printed no ``quant_error`` line."""
+        """FFN ranks that published no ``afd_ffn_quant_error_max_rel``."""
         return tuple(r.rank for r in self.ranks if r.error is None)
 
     @property
@@ -232,10 +250,18 @@ class DemoReport:
     servers: tuple[ServerStats, ...]
     ffn_ranks: tuple[FFNRankStats, ...] = ()
     quant: QuantSummary | None = None
+    metrics: tuple[MetricsCheck, ...] = ()
+    attention_ranks: tuple[AttentionStats, ...] = ()
+
+    @property
+    def metrics_ok(self) -> bool:
+        """Every AFD server showed ``afd_*`` series on ``/metrics`` (True when none was read)."""
+        return all(m.ok for m in self.metrics)
 
     @property
     def ok(self) -> bool:
-        return self.quant.ok if self.quant is not None else self.parity.ok
+        served = self.quant.ok if self.quant is not None else self.parity.ok
+        return served and self.metrics_ok
 
 
 def token_match(parity: ParityResult) -> tuple[int, int]:
@@ -326,6 +352,9 @@ def render_quant(quant: QuantSummary) -> list[str]:
 
 
 def _verdict(report: DemoReport) -> str:
+    if not report.metrics_ok:
+        missing = [m.name for m in report.metrics if not m.ok]
+        return f"FAIL: no afd_* series on /metrics of {', '.join(missing)}"
     n_bad = len(report.parity.mismatches)
     n = len(report.parity.prompts)
     quant = report.quant
@@ -345,7 +374,8 @@ def _verdict(report: DemoReport) -> str:
         reasons.append("no FFN rank reported (error not measured)")
     if quant.unmeasured:
         reasons.append(
-            f"no quant_error line from FFN rank(s) {list(quant.unmeasured)} (error not measured)"
+            f"no afd_ffn_quant_error_max_rel from FFN rank(s) {list(quant.unmeasured)} (error "
+            "not measured)"
         )
     if quant.over_tolerance:
         worst = quant.max_rel
@@ -418,6 +448,15 @@ def render_report(report: DemoReport) -> str:
                 "call)"
             )
         out.append("")
+    for a in report.attention_ranks:
+        out.append(
+            f"Attention rank {a.rank}: {a.steps} steps, {a.waits} FFN replies, mean wait "
+            f"{1000 * a.mean_wait_s:.2f} ms per reply, {_fmt_bytes(a.sent_bytes)} sent, "
+            f"{_fmt_bytes(a.received_bytes)} received"
+        )
+    if report.metrics:
+        checks = ", ".join(f"{m.name} ({m.role}): {m.afd_series}" for m in report.metrics)
+        out += [f"afd_* series on /metrics: {checks}", ""]
     out.append(_verdict(report))
     return "\n".join(out)
 
@@ -506,18 +545,25 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         for ffn in ffns:
             ffn.check_alive()
         rss = {s.name: process_tree_rss(s.pid) if s.pid else None for s in (attention, *ffns)}
+        # While serving: each role's afd_* series on its own /metrics.
+        metrics = {s.name: s.metrics_text() for s in (attention, *ffns)}
     finally:
         stop_all([attention, *ffns])
-    att_bytes = parse_param_bytes(attention.log_text()).get("attention")
+    att_bytes = parse_param_bytes(metrics[attention.name]).get("attention")
     ffn_ranks = tuple(
         FFNRankStats(
             rank,
             ffn.name,
-            parse_param_bytes(ffn.log_text()).get("ffn"),
-            parse_ffn_stats(ffn.log_text()).get(rank),
+            parse_param_bytes(metrics[ffn.name]).get("ffn"),
+            parse_ffn_stats(metrics[ffn.name]).get(rank),
         )
         for rank, ffn in enumerate(ffns)
     )
+    checks = (
+        MetricsCheck(attention.name, "attention", afd_series_count(metrics[attention.name])),
+        *(MetricsCheck(f.name, "ffn", afd_series_count(metrics[f.name])) for f in ffns),
+    )
+    attention_ranks = tuple(parse_attention_stats(metrics[attention.name]).values())
     servers = (
         plain_stats,
         ServerStats(attention.name, "attention", afd.tokens_per_s, rss[attention.name], att_bytes),
@@ -528,18 +574,24 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
     if cfg.num_stages > 1:
         topology += f", {cfg.num_stages} stages"
     parity = compare_parity(base.completions, afd.completions)
-    quant = quant_summary(cfg, ffns, parity) if cfg.quantized else None
-    return DemoReport(str(model), topology, parity, servers, ffn_ranks, quant)
+    quant = quant_summary(cfg, ffns, parity, metrics) if cfg.quantized else None
+    return DemoReport(
+        str(model), topology, parity, servers, ffn_ranks, quant, checks, attention_ranks
+    )
 
 
 def quant_summary(
-    cfg: DemoConfig, ffns: Sequence[VLLMServer], parity: ParityResult
+    cfg: DemoConfig,
+    ffns: Sequence[VLLMServer],
+    parity: ParityResult,
+    metrics: dict[str, str],
 ) -> QuantSummary:
-    """The :class:`QuantSummary` of a quantized run from its FFN servers' logs (``ffns[i]`` is
-    FFN rank ``i``) and its parity against plain vLLM."""
+    """The :class:`QuantSummary` of a quantized run from its FFN servers' ``/metrics`` texts
+    (``metrics[server name]``; ``ffns[i]`` is FFN rank ``i``) and its parity against plain
+    vLLM."""
     ranks = []
     for rank, ffn in enumerate(ffns):
-        log = ffn.log_text()
+        log = metrics.get(ffn.name, "")
         ranks.append(
             QuantRankStats(
                 rank, ffn.name, parse_quantized(log).get(rank), parse_quant_error(log).get(rank)

