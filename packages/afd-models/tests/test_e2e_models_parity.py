@@ -256,14 +256,22 @@ def test_roles_report_their_own_weights_and_stay_up(
 
 
 def _idle_metrics(deployment: Deployment) -> tuple[str, tuple[str, ...]]:
-    """The Attention role's and each FFN rank's /metrics, read while no step ran in between
-    (the FFN texts read before and after the Attention one are equal; 3 tries)."""
-    for _ in range(3):
-        before = tuple(f.metrics_text() for f in deployment.ffns)
+    """The Attention role's and each FFN rank's /metrics, read once the ``afd_*`` series of both
+    roles stood still between two reads a second apart (10 tries).
+
+    Both roles' series must be compared: an Attention rank counts a step when it announces it,
+    the FFN when it has served it, so a trailing step (vLLM's data-parallel ranks run a few
+    dummy steps after the last request) can show on one side and not yet on the other."""
+    from afd_models.demo.servers import afd_samples
+
+    last: object = None
+    for _ in range(10):
         attention = deployment.attention.metrics_text()
-        after = tuple(f.metrics_text() for f in deployment.ffns)
-        if before == after:
-            return attention, after
+        ffns = tuple(f.metrics_text() for f in deployment.ffns)
+        snapshot = (afd_samples(attention), tuple(afd_samples(t) for t in ffns))
+        if snapshot == last:
+            return attention, ffns
+        last = snapshot
         time.sleep(1.0)
     raise AssertionError("the deployment kept stepping while idle")
 
