@@ -194,3 +194,19 @@ def test_base_constructor_validation(loopback: None, kwargs: dict[str, Any], fie
             **args,
         )
     assert info.value.field == field
+
+
+def test_split_ffn_outputs_splits_by_peer_and_names_a_bad_reply() -> None:
+    from afd_core.connector.base import split_ffn_outputs
+    from afd_core.errors import AFDPayloadError
+    from afd_core.metadata import AFDTransferMetadata
+
+    meta = AFDTransferMetadata(0, 0, (2, 0, 3))
+    out = torch.arange(20.0).reshape(5, 4)
+    parts = split_ffn_outputs(out, meta, 4, 3)
+    assert [tuple(p.shape) for p in parts] == [(2, 4), (0, 4), (3, 4)]
+    assert torch.equal(torch.cat(list(parts)), out)
+    with pytest.raises(AFDPayloadError, match=r"shape \(5, 4\) \(all peers\)"):
+        split_ffn_outputs(torch.zeros(4, 4), meta, 4, 3)
+    with pytest.raises(AFDPayloadError, match="3 tensors"):
+        split_ffn_outputs([torch.zeros(2, 4)], meta, 4, 3)

@@ -40,7 +40,12 @@ from typing import Any, ClassVar
 import torch
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.errors import AFDConfigError, AFDConnectorError, AFDProtocolError
+from afd_core.errors import (
+    AFDConfigError,
+    AFDConnectorError,
+    AFDPayloadError,
+    AFDProtocolError,
+)
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
 from afd_core.topology import AFDTopology
 
@@ -387,6 +392,31 @@ class AFDConnectorBase(ABC):
     def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
         """FFN side: the step's counts, one entry per served Attention rank per stage."""
         raise AFDConnectorError(f"connector {self.name!r} has no control plane")
+
+
+def split_ffn_outputs(
+    outputs: Sequence[torch.Tensor] | torch.Tensor,
+    metadata: AFDTransferMetadata,
+    width: int | None,
+    num_served: int,
+) -> Sequence[torch.Tensor]:
+    """The FFN reply for each served Attention rank: one ``(total, width)`` tensor split by
+    ``metadata.num_tokens``, or already one tensor per served rank (checked: the count).
+
+    Raises:
+        AFDPayloadError: the tensor is not ``(total, width)``, or the list has another count.
+    """
+    if isinstance(outputs, torch.Tensor):
+        total = metadata.total_tokens
+        if outputs.dim() != 2 or outputs.shape[0] != total:
+            raise AFDPayloadError(
+                "outputs", tuple(outputs.shape), f"shape {(total, width)} (all peers)"
+            )
+        return torch.split(outputs, list(metadata.num_tokens))
+    parts = outputs if type(outputs) is list else list(outputs)
+    if len(parts) != num_served:
+        raise AFDPayloadError("outputs", len(parts), f"{num_served} tensors (one per served rank)")
+    return parts
 
 
 def merge_control_messages(

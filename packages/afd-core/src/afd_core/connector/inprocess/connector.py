@@ -28,7 +28,11 @@ import torch
 import torch.distributed as dist
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector.base import AFDTransferHandle, merge_control_messages
+from afd_core.connector.base import (
+    AFDTransferHandle,
+    merge_control_messages,
+    split_ffn_outputs,
+)
 from afd_core.connector.session_base import AFDSessionConnector
 from afd_core.errors import (
     AFDConfigError,
@@ -374,19 +378,7 @@ class InProcessConnector(AFDSessionConnector):
         if len(counts) != len(served):
             raise AFDPayloadError("num_tokens", counts, f"{len(served)} count(s) (one per peer)")
         spec = self.payload_spec.fields[0]
-        if isinstance(outputs, torch.Tensor):
-            total = metadata.total_tokens
-            if outputs.dim() != 2 or outputs.shape[0] != total:
-                raise AFDPayloadError(
-                    "outputs", tuple(outputs.shape), f"shape {(total, spec.width)} (all peers)"
-                )
-            parts: Sequence[torch.Tensor] = torch.split(outputs, list(counts))
-        else:
-            parts = list(outputs)
-            if len(parts) != len(served):
-                raise AFDPayloadError(
-                    "outputs", len(parts), f"{len(served)} tensors (one per served rank)"
-                )
+        parts = split_ffn_outputs(outputs, metadata, spec.width, len(served))
         for part, n in zip(parts, counts, strict=True):
             if not isinstance(part, torch.Tensor):
                 raise AFDPayloadError("outputs", type(part).__name__, "torch.Tensor items")

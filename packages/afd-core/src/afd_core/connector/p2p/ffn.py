@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from afd_core.config import AFDRole
-from afd_core.connector.base import merge_control_messages
+from afd_core.connector.base import merge_control_messages, split_ffn_outputs
 from afd_core.connector.p2p.groups import _LONG_WAIT
 from afd_core.connector.p2p.lifecycle import _P2PLifecycle
 from afd_core.connector.p2p.recv_ahead import _PostedRecv
@@ -311,19 +311,7 @@ class _FFNSide(_P2PLifecycle):
             self._expected_ffn_counts(metadata)
         spec = self._reply_spec
         counts = metadata.num_tokens
-        if isinstance(outputs, torch.Tensor):
-            total = metadata.total_tokens
-            if outputs.dim() != 2 or outputs.shape[0] != total:
-                raise AFDPayloadError(
-                    "outputs", tuple(outputs.shape), f"shape {(total, spec.width)} (all peers)"
-                )
-            parts: Sequence[torch.Tensor] = torch.split(outputs, list(counts))
-        else:
-            parts = outputs if type(outputs) is list else list(outputs)
-            if len(parts) != len(self._served):
-                raise AFDPayloadError(
-                    "outputs", len(parts), f"{len(self._served)} tensors (one per served rank)"
-                )
+        parts = split_ffn_outputs(outputs, metadata, spec.width, len(self._served))
         device_type = self._device_type
         hidden, dtype, on_cpu = self._hidden, self._out_dtype, device_type == "cpu"
         for part, n in zip(parts, counts):  # noqa: B905 (lengths checked above)
