@@ -73,7 +73,7 @@ import torch
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector.p2p import P2PConnector
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.testing import free_port, run_world
+from afd_core.testing import free_ports, run_world
 from afd_core.topology import AFDTopology
 
 HIDDEN = 1024
@@ -369,14 +369,24 @@ def _tp_steps_for(size: int, quick: bool) -> int:
     return 4 if size <= 4 << 20 else 2
 
 
-def bench_rank(rank: int, port: int, sizes: list[int], repeats: int, quick: bool) -> Any:
+def bench_rank(
+    rank: int, ports: tuple[int, ...], sizes: list[int], repeats: int, quick: bool
+) -> Any:
     torch.set_num_threads(1)
     topo = AFDTopology(1, 1)
     role, role_rank = topo.role_of(rank)
     spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32)
     conns: dict[str, P2PConnector] = {}
-    for kind, extra in CONNECTOR_EXTRA.items():
-        cfg = AFDConfig(role=role, port=port, timeout_s=120.0, connector_extra_config=extra)
+    # One session (store port) per connector: the FFN rank of a live session beats a heartbeat,
+    # and a second claimant of that rank on the same store is refused (as a stray FFN would be).
+    for (kind, extra), port in zip(CONNECTOR_EXTRA.items(), ports, strict=True):
+        cfg = AFDConfig(
+            role=role,
+            port=port,
+            timeout_s=120.0,
+            startup_timeout_s=60.0,  # a failed start surfaces well inside the test's bound
+            connector_extra_config=extra,
+        )
         conns[kind] = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=LAYERS)
         conns[kind].init()
     # As vLLM does after engine start-up (vllm.utils.gc_utils.freeze_gc_heap): objects that live
@@ -725,7 +735,8 @@ def main(argv: list[str] | None = None) -> int:
         if any(v < BYTES_PER_TOKEN or v % BYTES_PER_TOKEN for v in sizes):
             parser.error(f"--sizes: each size must be a positive multiple of {BYTES_PER_TOKEN}")
     repeats = args.repeats or (2 if args.quick else 33)
-    results = run_world(bench_rank, 2, free_port(), sizes, repeats, args.quick, timeout_s=1800)
+    ports = free_ports(len(CONNECTOR_EXTRA))
+    results = run_world(bench_rank, 2, ports, sizes, repeats, args.quick, timeout_s=1800)
     for rank, outcome in results.items():
         if outcome[0] != "ok":
             print(f"rank {rank} failed: {outcome}", file=sys.stderr)
