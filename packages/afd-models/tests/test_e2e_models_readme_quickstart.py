@@ -59,10 +59,14 @@ def test_readme_quickstart_runs_as_written(tmp_path: Path) -> None:
     venv.EnvBuilder(with_pip=True).create(env_dir)
     constraints = tmp_path / "constraints.txt"
     constraints.write_text(f"uv=={_uv_version()}\n")
+    # A user's shell, not this machine's: no uv settings, no venv, and Python writes its bytecode
+    # (with PYTHONDONTWRITEBYTECODE every engine process would compile vLLM from source again).
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("UV_", "VIRTUAL_ENV", "PYTHONPATH", "CONDA"))
+        if not k.startswith(
+            ("UV_", "VIRTUAL_ENV", "PYTHONPATH", "CONDA", "PYTHONDONTWRITEBYTECODE")
+        )
     }
     env.pop("UV", None)
     env.update(
