@@ -11,7 +11,10 @@ Rules (each violation is printed as ``path:line: [rule] message``):
 ``edge-not-allowed``     a pyproject declares a sibling edge the map does not allow.
 ``ffn-independence``     afd-remote, afd-cam and afd-compute-npu import or declare one another.
 ``upward-import``        a package below afd-runtime imports afd_runtime or afd_models.
-``eager-vllm``           a package below afd-runtime imports vllm at module import time.
+``vllm-reach``           a package below afd-runtime reaches vLLM: it imports vllm or vllm_ascend
+                         (at any time; a ``TYPE_CHECKING`` import for annotations is allowed) or
+                         names one of their modules in a string (``sys.modules.get("vllm.x")``,
+                         ``importlib.import_module("vllm.x")``).
 ``concrete-class``       an FFN package imports a concrete model or a worker/runner class.
 ``sibling-range``        a sibling requirement has no version range, or its range excludes the
                          sibling's current version.
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import sys
 import tomllib
 from collections.abc import Iterator
@@ -35,6 +39,9 @@ from packaging.version import Version
 
 #: Packages that sit above the line: they may import vLLM eagerly and be imported by nobody below.
 UPPER = frozenset({"afd-runtime", "afd-models"})
+#: vLLM's top-level modules: nothing below afd-runtime imports them or names them in a string.
+VLLM_MODULES = frozenset({"vllm", "vllm_ascend"})
+VLLM_MODULE_NAME = re.compile(r"(?:vllm|vllm_ascend)(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
 #: FFN packages: mutually independent, and blind to concrete models and worker/runner classes.
 FFN_SIBLINGS = frozenset({"afd-remote", "afd-cam", "afd-compute-npu"})
 FFN_PACKAGES = FFN_SIBLINGS | {"afd-weights"}
@@ -85,6 +92,7 @@ class ImportSite:
     names: tuple[str, ...]  # names imported from it (``from m import a, b``)
     line: int
     module_level: bool  # executed at module import time (not inside a def, not TYPE_CHECKING)
+    type_only: bool = False  # inside ``if TYPE_CHECKING:`` (never executed)
 
 
 def _dist_to_module(dist: str) -> str:
@@ -162,18 +170,18 @@ def iter_imports(path: Path, package_module: str) -> Iterator[ImportSite]:
     if is_init:
         own = own[:-1]
 
-    def visit(node: ast.AST, module_level: bool) -> Iterator[ImportSite]:
+    def visit(node: ast.AST, module_level: bool, type_only: bool = False) -> Iterator[ImportSite]:
         for child in ast.iter_child_nodes(node):
             if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
-                yield from visit(child, False)
+                yield from visit(child, False, type_only)
             elif isinstance(child, ast.If) and _is_type_checking(child.test):
                 for stmt in child.body:
-                    yield from visit(ast.Module(body=[stmt], type_ignores=[]), False)
+                    yield from visit(ast.Module(body=[stmt], type_ignores=[]), False, True)
                 for stmt in child.orelse:
                     yield from visit(ast.Module(body=[stmt], type_ignores=[]), module_level)
             elif isinstance(child, ast.Import):
                 for alias in child.names:
-                    yield ImportSite(alias.name, (), child.lineno, module_level)
+                    yield ImportSite(alias.name, (), child.lineno, module_level, type_only)
             elif isinstance(child, ast.ImportFrom):
                 if child.level:
                     base = own if is_init else own[:-1]
@@ -182,10 +190,10 @@ def iter_imports(path: Path, package_module: str) -> Iterator[ImportSite]:
                 else:
                     name = child.module or ""
                 yield ImportSite(
-                    name, tuple(a.name for a in child.names), child.lineno, module_level
+                    name, tuple(a.name for a in child.names), child.lineno, module_level, type_only
                 )
             else:
-                yield from visit(child, module_level)
+                yield from visit(child, module_level, type_only)
 
     yield from visit(tree, True)
 
@@ -203,6 +211,20 @@ def _range_violations(
     else:
         return []
     return [Violation(member.pyproject, line, "sibling-range", msg)]
+
+
+def iter_vllm_module_strings(path: Path) -> Iterator[tuple[str, int]]:
+    """Every string constant in ``path`` that is a vLLM module's dotted name (``"vllm"``,
+    ``"vllm.forward_context"``, ``"vllm_ascend.ops"``): what ``sys.modules`` or ``importlib``
+    would be handed to reach vLLM without an import statement."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Constant)
+            and isinstance(node.value, str)
+            and VLLM_MODULE_NAME.fullmatch(node.value)
+        ):
+            yield node.value, node.lineno
 
 
 def check(root: Path) -> list[Violation]:
@@ -230,6 +252,16 @@ def check(root: Path) -> list[Violation]:
 
         src = member.root / "src" / member.module
         for path in sorted(src.rglob("*.py")):
+            if dist not in UPPER:
+                violations.extend(
+                    Violation(
+                        path,
+                        line,
+                        "vllm-reach",
+                        f"{member.module} names the module {name!r} in a string; nothing below afd-runtime touches vLLM (no sys.modules or importlib reach either)",
+                    )
+                    for name, line in iter_vllm_module_strings(path)
+                )
             for site in iter_imports(path, member.module):
                 top = site.module.split(".")[0]
                 target = by_module.get(top)
@@ -252,13 +284,13 @@ def check(root: Path) -> list[Violation]:
                             f"{member.module} imports {site.module}, but {dist} does not declare {target.dist}",
                         )
                     )
-                if dist not in UPPER and top == "vllm" and site.module_level:
+                if dist not in UPPER and top in VLLM_MODULES and not site.type_only:
                     violations.append(
                         Violation(
                             path,
                             site.line,
-                            "eager-vllm",
-                            f"{member.module} imports {site.module} at module import time; import vLLM inside the function that needs it",
+                            "vllm-reach",
+                            f"{member.module} imports {site.module}; nothing below afd-runtime touches vLLM (the runtime plugs in through afd_core.forward_context.StageHooks)",
                         )
                     )
                 if dist in FFN_PACKAGES:

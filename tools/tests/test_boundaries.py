@@ -83,7 +83,7 @@ def test_cli_exit_codes(scratch: Path) -> None:
         [sys.executable, str(SCRIPT), "--root", str(scratch)], capture_output=True, text=True
     )
     assert bad.returncode == 1
-    assert "packages/afd-core/src/afd_core/bad.py:1: [eager-vllm]" in bad.stdout
+    assert "packages/afd-core/src/afd_core/bad.py:1: [vllm-reach]" in bad.stdout
 
 
 def test_undeclared_sibling(scratch: Path) -> None:
@@ -161,18 +161,40 @@ def test_lower_package_imports_runtime_or_models(scratch: Path) -> None:
     ]
 
 
-def test_eager_vllm_below_runtime(scratch: Path) -> None:
+def test_vllm_import_below_runtime_eager_or_lazy(scratch: Path) -> None:
     plant(
         scratch,
         "packages/afd-cam/src/afd_cam/planted.py",
         "from typing import TYPE_CHECKING\n"
         "if TYPE_CHECKING:\n    import vllm.config\n"
         "def lazy():\n    import vllm\n"
-        "try:\n    from vllm.distributed import get_tp_group\nexcept ImportError:\n    pass\n",
+        "try:\n    from vllm.distributed import get_tp_group\nexcept ImportError:\n    pass\n"
+        "def npu():\n    from vllm_ascend import ops\n",
     )
+    tail = "; nothing below afd-runtime touches vLLM (the runtime plugs in through afd_core.forward_context.StageHooks)"
     assert report(scratch) == [
-        "packages/afd-cam/src/afd_cam/planted.py:7: [eager-vllm] afd_cam imports vllm.distributed at "
-        "module import time; import vLLM inside the function that needs it"
+        f"packages/afd-cam/src/afd_cam/planted.py:5: [vllm-reach] afd_cam imports vllm{tail}",
+        f"packages/afd-cam/src/afd_cam/planted.py:7: [vllm-reach] afd_cam imports vllm.distributed{tail}",
+        f"packages/afd-cam/src/afd_cam/planted.py:11: [vllm-reach] afd_cam imports vllm_ascend{tail}",
+    ]
+
+
+def test_vllm_reach_through_sys_modules_or_importlib_below_runtime(scratch: Path) -> None:
+    """The reach afd-core's forward context once had: vLLM's modules looked up by name."""
+    plant(
+        scratch,
+        "packages/afd-core/src/afd_core/planted.py",
+        "import importlib\nimport sys\n\n\n"
+        "def ubatching():\n    return sys.modules.get('vllm.v1.worker.ubatching')\n\n\n"
+        "def fc():\n    return importlib.import_module('vllm.forward_context')\n\n\n"
+        "NOTE = 'vllm serve runs this; vllm.x is not a module name here'\n",
+    )
+    tail = "; nothing below afd-runtime touches vLLM (no sys.modules or importlib reach either)"
+    assert report(scratch) == [
+        "packages/afd-core/src/afd_core/planted.py:6: [vllm-reach] afd_core names the module "
+        f"'vllm.v1.worker.ubatching' in a string{tail}",
+        "packages/afd-core/src/afd_core/planted.py:10: [vllm-reach] afd_core names the module "
+        f"'vllm.forward_context' in a string{tail}",
     ]
 
 
@@ -190,6 +212,9 @@ def test_ffn_package_imports_concrete_classes(scratch: Path) -> None:
         "    from somewhere.else_ import NPUModelRunner, helper\n",
     )
     assert report(scratch) == [
+        "packages/afd-compute-npu/src/afd_compute_npu/planted.py:2: [vllm-reach] afd_compute_npu "
+        "imports vllm.model_executor.models.deepseek_v2; nothing below afd-runtime touches vLLM "
+        "(the runtime plugs in through afd_core.forward_context.StageHooks)",
         "packages/afd-compute-npu/src/afd_compute_npu/planted.py:2: [concrete-class] afd_compute_npu "
         "imports vllm.model_executor.models.deepseek_v2; FFN packages never import a concrete model "
         "or worker/runner class",

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 from afd_cam import AFDCamError, AFDCamHandoffError, ReceiveHandoff
+from afd_core.forward_context import install_stage_hooks
 
 
 def test_receive_handoff_runs_each_receive_once() -> None:
@@ -47,30 +45,35 @@ def test_receive_handoff_misuse() -> None:
     assert err.value.field == "stage_idx"
 
 
-class _FakeUbatching(types.ModuleType):
-    """Stands in for ``vllm.v1.worker.ubatching`` (afd-core only reads it from sys.modules)."""
+class _RecordingHooks:
+    """The runtime's stage hooks as a recording fake: every yield is logged."""
 
     def __init__(self, events: list[str]) -> None:
-        super().__init__("vllm.v1.worker.ubatching")
         self.events = events
 
-    def dbo_enabled(self) -> bool:
-        return True
+    def current_stage(self) -> int | None:
+        return 0
 
-    def dbo_yield(self) -> None:
+    def yield_stage(self) -> None:
         self.events.append("yield")
 
+    def lookup_metadata(self) -> None:
+        return None
 
-def test_hand_off_yields_to_dbo_after_recording(monkeypatch: pytest.MonkeyPatch) -> None:
+
+def test_hand_off_yields_to_dbo_after_recording() -> None:
     events: list[str] = []
-    monkeypatch.setitem(sys.modules, "vllm.v1.worker.ubatching", _FakeUbatching(events))
-    handoff: ReceiveHandoff[str] = ReceiveHandoff()
-    handoff.hand_off(0, lambda: "r0", yield_to_dbo=True)
-    assert events == ["yield"]
-    assert handoff.pending_stages == (0,)
-    handoff.hand_off(1, lambda: "r1")
-    assert events == ["yield"]  # no yield unless asked
-    assert handoff.take(0) == "r0"
+    previous = install_stage_hooks(_RecordingHooks(events))
+    try:
+        handoff: ReceiveHandoff[str] = ReceiveHandoff()
+        handoff.hand_off(0, lambda: "r0", yield_to_dbo=True)
+        assert events == ["yield"]
+        assert handoff.pending_stages == (0,)
+        handoff.hand_off(1, lambda: "r1")
+        assert events == ["yield"]  # no yield unless asked
+        assert handoff.take(0) == "r0"
+    finally:
+        install_stage_hooks(previous)
 
 
 def test_discard_drops_a_pending_receive_without_running_it() -> None:
@@ -87,10 +90,11 @@ def test_discard_drops_a_pending_receive_without_running_it() -> None:
     assert err.value.field == "stage_idx"
 
 
-def test_hand_offs_of_two_overlapped_stages_interleave(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under afd-core's two-stage overlap each stage hands its receive off, yields (the other
-    stage runs) and takes it back: one handoff serves both stages, none is lost."""
-    from afd_core.overlap import run_overlapped
+def test_hand_offs_of_two_overlapped_stages_interleave() -> None:
+    """Under a two-stage overlap (afd-core's test stand-in for the runtime's executor) each stage
+    hands its receive off, yields (the other stage runs) and takes it back: one handoff serves
+    both stages, none is lost."""
+    from afd_core.testing import run_stages_in_turns
 
     handoff: ReceiveHandoff[str] = ReceiveHandoff()
     order: list[str] = []
@@ -106,7 +110,7 @@ def test_hand_offs_of_two_overlapped_stages_interleave(monkeypatch: pytest.Monke
 
         return run
 
-    results = run_overlapped([stage(0), stage(1)], timeout_s=10)  # type: ignore[list-item]
+    results = run_stages_in_turns([stage(0), stage(1)], timeout_s=10)
     assert results == [["out0.0", "out1.0"], ["out0.1", "out1.1"]]
     assert order == ["send0.0", "send0.1", "send1.0", "send1.1"]
     assert handoff.pending_stages == ()

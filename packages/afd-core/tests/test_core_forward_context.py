@@ -1,12 +1,9 @@
-"""Forward-context access with and without a (fake) vLLM forward context, and the DBO hook."""
+"""Forward metadata access (context variable, the runtime's hooks) and the stage hook point."""
 
 from __future__ import annotations
 
-import sys
 import threading
-import types
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -15,12 +12,13 @@ from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector.p2p import P2PConnector
 from afd_core.errors import AFDContextError
 from afd_core.forward_context import (
-    AFD_FORWARD_CONTEXT_KEY,
     AFDForwardMetadata,
     current_stage_idx,
     dbo_yield,
     get_afd_forward_metadata,
     has_afd_forward_metadata,
+    install_stage_hooks,
+    installed_stage_hooks,
     set_afd_forward_metadata,
 )
 from afd_core.metadata import AFDPayloadSpec
@@ -76,61 +74,72 @@ def test_metadata_validation(kwargs: dict[str, Any]) -> None:
         pass
 
 
-@dataclass
-class FakeForwardContext:
-    additional_kwargs: dict[str, Any] = field(default_factory=dict)
+class RecordingHooks:
+    """A runtime's stage hooks as a recording fake."""
+
+    def __init__(self) -> None:
+        self.stage: int | None = None
+        self.meta: AFDForwardMetadata | None = None
+        self.yields = 0
+
+    def current_stage(self) -> int | None:
+        return self.stage
+
+    def yield_stage(self) -> None:
+        self.yields += 1
+
+    def lookup_metadata(self) -> AFDForwardMetadata | None:
+        return self.meta
 
 
 @pytest.fixture
-def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> Iterator[types.SimpleNamespace]:
-    """Fake ``vllm.forward_context`` and ``vllm.v1.worker.ubatching`` modules in sys.modules."""
-    state = types.SimpleNamespace(ctx=None, dbo=False, ubatch=0, yields=0)
-    fc = types.ModuleType("vllm.forward_context")
-    fc.is_forward_context_available = lambda: state.ctx is not None  # type: ignore[attr-defined]
-    fc.get_forward_context = lambda: state.ctx  # type: ignore[attr-defined]
-    ub = types.ModuleType("vllm.v1.worker.ubatching")
-    ub.dbo_enabled = lambda: state.dbo  # type: ignore[attr-defined]
-    ub.dbo_current_ubatch_id = lambda: state.ubatch  # type: ignore[attr-defined]
-
-    def _yield() -> None:
-        state.yields += 1
-
-    ub.dbo_yield = _yield  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "vllm.forward_context", fc)
-    monkeypatch.setitem(sys.modules, "vllm.v1.worker.ubatching", ub)
-    yield state
+def hooks() -> Iterator[RecordingHooks]:
+    fake = RecordingHooks()
+    previous = install_stage_hooks(fake)
+    assert installed_stage_hooks() is fake
+    yield fake
+    assert install_stage_hooks(previous) is fake
 
 
-def test_attaches_to_vllm_forward_context(fake_vllm: types.SimpleNamespace) -> None:
-    ctx = FakeForwardContext(additional_kwargs={"other": 1})
-    fake_vllm.ctx = ctx
-    meta = AFDForwardMetadata(make_connector())
+def test_without_hooks_a_yield_does_nothing_and_the_metadata_names_the_stage() -> None:
+    previous = install_stage_hooks(None)
+    try:
+        meta = AFDForwardMetadata(make_connector(), stage_idx=1, num_stages=2)
+        with set_afd_forward_metadata(meta):
+            dbo_yield()
+            assert current_stage_idx() == 1
+    finally:
+        install_stage_hooks(previous)
+
+
+def test_hooks_name_the_stage_and_take_the_yield(hooks: RecordingHooks) -> None:
+    meta = AFDForwardMetadata(make_connector(), stage_idx=0, num_stages=2)
     with set_afd_forward_metadata(meta):
-        assert ctx.additional_kwargs[AFD_FORWARD_CONTEXT_KEY] is meta
-        # A thread does not inherit context variables, but sees vLLM's (global) context.
-        seen: list[Any] = []
-        t = threading.Thread(target=lambda: seen.append(get_afd_forward_metadata()))
-        t.start()
-        t.join()
-        assert seen == [meta]
-    assert ctx.additional_kwargs == {"other": 1}
+        assert current_stage_idx() == 0  # the hooks run no stage here: the metadata's
+        hooks.stage = 1
+        assert current_stage_idx() == 1
+        dbo_yield()
+        dbo_yield()
+        assert hooks.yields == 2
 
 
-def test_reads_metadata_attached_by_runner(fake_vllm: types.SimpleNamespace) -> None:
-    meta = AFDForwardMetadata(make_connector(), num_stages=2)
-    fake_vllm.ctx = FakeForwardContext(additional_kwargs={AFD_FORWARD_CONTEXT_KEY: meta})
-    assert get_afd_forward_metadata() is meta
-    fake_vllm.ctx = None
+def test_metadata_the_hooks_hold_wins_over_the_context_variable(hooks: RecordingHooks) -> None:
+    conn = make_connector()
+    mine, runtime = AFDForwardMetadata(conn), AFDForwardMetadata(conn, num_stages=2)
+    with set_afd_forward_metadata(mine):
+        assert get_afd_forward_metadata() is mine
+        hooks.meta = runtime
+        assert get_afd_forward_metadata() is runtime
+    # A thread does not inherit context variables; the runtime's holder reaches it.
+    seen: list[Any] = []
+    t = threading.Thread(target=lambda: seen.append(get_afd_forward_metadata()))
+    t.start()
+    t.join()
+    assert seen == [runtime]
+    hooks.meta = None
     assert not has_afd_forward_metadata()
 
 
-def test_dbo_stage_and_yield(fake_vllm: types.SimpleNamespace) -> None:
-    meta = AFDForwardMetadata(make_connector(), num_stages=2)
-    with set_afd_forward_metadata(meta):
-        dbo_yield()
-        assert fake_vllm.yields == 0  # DBO off: no-op
-        assert current_stage_idx() == 0
-        fake_vllm.dbo, fake_vllm.ubatch = True, 1
-        assert current_stage_idx() == 1
-        dbo_yield()
-        assert fake_vllm.yields == 1
+def test_install_refuses_what_is_not_stage_hooks() -> None:
+    with pytest.raises(AFDContextError, match="needs a StageHooks"):
+        install_stage_hooks(object())  # type: ignore[arg-type]

@@ -25,7 +25,7 @@ from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnectorBase, create_connector
 from afd_core.forward_context import AFDForwardMetadata, dbo_yield, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
-from afd_core.overlap import run_overlapped
+from afd_core.testing import run_stages_in_turns
 from afd_core.topology import AFDTopology
 from afd_remote import AFDAttentionFusedMoE
 
@@ -125,7 +125,7 @@ def _attention_staged(conn: AFDConnectorBase, topo: AFDTopology, arank: int) -> 
 
         return run
 
-    run_overlapped([stage(s) for s in range(2) if split[s]], timeout_s=60)
+    run_stages_in_turns([stage(s) for s in range(2) if split[s]], timeout_s=60)
     return problems
 
 

@@ -6,7 +6,7 @@ run the service loop by hand: receive control, then per layer and stage receive 
 payload, check it, reply ``hidden * 2 + layer``. Each rank returns a report of plain Python values.
 
 The ``overlapped`` variant runs the stages as serving does with ``num_stages=2``: afd-core's
-ping-pong (:func:`afd_core.overlap.run_overlapped`), each stage a full forward over the layers
+ping-pong (the runtime's executor, stood in for by :func:`afd_core.testing.run_stages_in_turns`), each stage a full forward over the layers
 through the proxy's send -> yield -> receive, with random delays before every layer's attention
 and before every FFN reply. Attention rank 1's second stage is empty, so it runs stage 0 alone and
 its proxy carries stage 1 as zero-token transfers (with ``check_sequence``, so their headers are
@@ -24,7 +24,7 @@ from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector.p2p import P2PConnector
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
-from afd_core.overlap import run_overlapped
+from afd_core.testing import run_stages_in_turns
 from afd_core.topology import AFDTopology
 from afd_remote import AFDAttentionFusedMoE, RemoteFFNTransfer, softmax_topk
 
@@ -136,7 +136,7 @@ def _overlapped(conn: P2PConnector, arank: int) -> list[str]:
         return run
 
     active = [s for s in range(STAGES) if stage_counts[s]]
-    outputs = run_overlapped([stage(s) for s in active], timeout_s=60)
+    outputs = run_stages_in_turns([stage(s) for s in active], timeout_s=60)
     problems = []
     for s, out in zip(active, outputs, strict=True):
         expected = hidden_input(arank, s)

@@ -8,7 +8,6 @@ every rejected input fails before anything is sent.
 from __future__ import annotations
 
 import sys
-import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +18,11 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from afd_core.connector import AFDConnectorBase
 from afd_core.errors import AFDConnectorError, AFDContextError, AFDPayloadError
-from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
+from afd_core.forward_context import (
+    AFDForwardMetadata,
+    install_stage_hooks,
+    set_afd_forward_metadata,
+)
 from afd_remote import (
     AFDAttentionFusedMoE,
     AFDRemoteError,
@@ -31,23 +34,22 @@ from afd_remote import (
 from afd_remote_testkit import Event, RecordingConnector, spec
 
 
-class FakeUbatching(types.ModuleType):
-    """Stands in for ``vllm.v1.worker.ubatching`` (afd-core only reads it from sys.modules)."""
+class RecordingStageHooks:
+    """The runtime's stage hooks as a recording fake: a yield is logged; ``stage`` is the stage
+    the runtime reports (``None``: no stage executor runs, the metadata's stage counts)."""
 
-    def __init__(self, log: list[Event], enabled: bool = True, ubatch_id: int = 0) -> None:
-        super().__init__("vllm.v1.worker.ubatching")
+    def __init__(self, log: list[Event], stage: int | None = 0) -> None:
         self.log = log
-        self.enabled = enabled
-        self.ubatch_id = ubatch_id
+        self.stage = stage
 
-    def dbo_enabled(self) -> bool:
-        return self.enabled
+    def current_stage(self) -> int | None:
+        return self.stage
 
-    def dbo_current_ubatch_id(self) -> int:
-        return self.ubatch_id
-
-    def dbo_yield(self) -> None:
+    def yield_stage(self) -> None:
         self.log.append(Event("yield"))
+
+    def lookup_metadata(self) -> AFDForwardMetadata | None:
+        return None
 
 
 @pytest.fixture
@@ -56,10 +58,11 @@ def log() -> list[Event]:
 
 
 @pytest.fixture
-def dbo(log: list[Event], monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeUbatching]:
-    fake = FakeUbatching(log)
-    monkeypatch.setitem(sys.modules, "vllm.v1.worker.ubatching", fake)
+def dbo(log: list[Event]) -> Iterator[RecordingStageHooks]:
+    fake = RecordingStageHooks(log)
+    previous = install_stage_hooks(fake)
     yield fake
+    install_stage_hooks(previous)
 
 
 def _hidden(rows: int, width: int = 4, offset: int = 0) -> torch.Tensor:
@@ -93,7 +96,7 @@ def test_proxies_are_parameter_free() -> None:
         assert isinstance(module, torch.nn.Module)
 
 
-def test_forward_sends_yields_then_receives(log: list[Event], dbo: FakeUbatching) -> None:
+def test_forward_sends_yields_then_receives(log: list[Event], dbo: RecordingStageHooks) -> None:
     conn = RecordingConnector(spec(), log)
     proxy = RemoteFFNProxy(3)
     hidden = _hidden(5)
@@ -106,21 +109,36 @@ def test_forward_sends_yields_then_receives(log: list[Event], dbo: FakeUbatching
     assert torch.equal(out, hidden * 3 + 7 + 3)
 
 
-def test_stage_comes_from_dbo_ubatch_when_enabled(log: list[Event], dbo: FakeUbatching) -> None:
+def test_stage_comes_from_the_runtime_hooks_when_a_stage_runs(
+    log: list[Event], dbo: RecordingStageHooks
+) -> None:
     conn = RecordingConnector(spec(), log)
-    dbo.ubatch_id = 1
+    dbo.stage = 1
     with set_afd_forward_metadata(_meta(conn, stage=0, stages=2)):
         RemoteFFNProxy(2)(_hidden(2))
     assert _kinds(log) == [("send", 2, 1), ("yield", None, None), ("recv", 2, 1)]
 
 
-def test_stage_comes_from_metadata_without_dbo(log: list[Event], dbo: FakeUbatching) -> None:
+def test_stage_comes_from_metadata_when_the_hooks_run_no_stage(
+    log: list[Event], dbo: RecordingStageHooks
+) -> None:
     conn = RecordingConnector(spec(), log)
-    dbo.enabled = False
-    dbo.ubatch_id = 0
+    dbo.stage = None
     with set_afd_forward_metadata(_meta(conn, stage=1, stages=2)):
         RemoteFFNProxy(4)(_hidden(2))
-    # DBO off: no yield, stage 1 from the metadata.
+    assert _kinds(log) == [("send", 4, 1), ("yield", None, None), ("recv", 4, 1)]
+
+
+def test_without_runtime_hooks_nothing_yields_and_the_metadata_names_the_stage(
+    log: list[Event],
+) -> None:
+    conn = RecordingConnector(spec(), log)
+    previous = install_stage_hooks(None)
+    try:
+        with set_afd_forward_metadata(_meta(conn, stage=1, stages=2)):
+            RemoteFFNProxy(4)(_hidden(2))
+    finally:
+        install_stage_hooks(previous)
     assert _kinds(log) == [("send", 4, 1), ("recv", 4, 1)]
 
 
@@ -132,7 +150,7 @@ def test_missing_context_is_a_clear_error(log: list[Event]) -> None:
     assert log == []
 
 
-def test_zero_tokens_round_trip(log: list[Event], dbo: FakeUbatching) -> None:
+def test_zero_tokens_round_trip(log: list[Event], dbo: RecordingStageHooks) -> None:
     conn = RecordingConnector(spec(), log)
     with set_afd_forward_metadata(_meta(conn)):
         out = RemoteFFNProxy(0)(_hidden(0))
@@ -235,7 +253,7 @@ def test_proxy_constructor_rejects(kwargs: dict[str, object], field: str) -> Non
 # -- AFDAttentionFusedMoE ---------------------------------------------------------------------
 
 
-def test_gate_on_ffn_sends_hidden_states_only(log: list[Event], dbo: FakeUbatching) -> None:
+def test_gate_on_ffn_sends_hidden_states_only(log: list[Event], dbo: RecordingStageHooks) -> None:
     conn = RecordingConnector(spec(), log)
     moe = AFDAttentionFusedMoE(7, gate_on_attention=False)
     hidden = _hidden(4)
@@ -247,7 +265,7 @@ def test_gate_on_ffn_sends_hidden_states_only(log: list[Event], dbo: FakeUbatchi
     assert torch.equal(out, hidden * 3 + 14)
 
 
-def test_gate_on_attention_sends_router_logits(log: list[Event], dbo: FakeUbatching) -> None:
+def test_gate_on_attention_sends_router_logits(log: list[Event], dbo: RecordingStageHooks) -> None:
     conn = RecordingConnector(spec(router_logits_width=6), log)
     moe = AFDAttentionFusedMoE(2, gate_on_attention=True, top_k=2)
     hidden, logits = _hidden(3), _logits(3, 6)
@@ -261,7 +279,7 @@ def test_gate_on_attention_sends_router_logits(log: list[Event], dbo: FakeUbatch
 
 @pytest.mark.parametrize("renormalize", [True, False])
 def test_gate_on_attention_sends_topk(
-    log: list[Event], dbo: FakeUbatching, renormalize: bool
+    log: list[Event], dbo: RecordingStageHooks, renormalize: bool
 ) -> None:
     conn = RecordingConnector(spec(top_k=2), log)
     moe = AFDAttentionFusedMoE(1, gate_on_attention=True, top_k=2, renormalize=renormalize)
@@ -461,7 +479,7 @@ def test_softmax_topk_rejects() -> None:
 
 
 def test_a_lone_stage_also_carries_the_empty_stage_at_every_layer(
-    log: list[Event], dbo: FakeUbatching
+    log: list[Event], dbo: RecordingStageHooks
 ) -> None:
     """A step of a 2-stage deployment that runs as one stage (one request) announces 0 tokens
     for stage 1; each layer's dispatch then also sends stage 1's zero-token transfer right after

@@ -1,11 +1,12 @@
 """AFD config, connector contract and registry, the session layer every transport shares,
-topology, transfer/control metadata, forward-context access, DBO hook, and two transports (the
-torch.distributed P2P connector, the in-process connector).
+topology, transfer/control metadata, forward-context access and the stage hook point, the stage
+plan, and two transports (the torch.distributed P2P connector, the in-process connector).
 
 The names below are re-exported for convenience; each lives in one small module
 (``afd_core.config``, ``.topology``, ``.expert_map``, ``.metadata``, ``.connector`` (``base``,
 ``session_base``, ``factory``, ``p2p``, ``inprocess``), ``.session``, ``.forward_context``,
-``.overlap``, ``.errors``). vLLM is never imported by this package.
+``.stage_plan``, ``.errors``). This package knows nothing of vLLM: no import, no lookup of its
+modules; the runtime plugs in through :class:`~afd_core.forward_context.StageHooks`.
 """
 
 from importlib.metadata import version as _version
@@ -44,8 +45,10 @@ from afd_core.errors import (
 from afd_core.expert_map import ExpertMap
 from afd_core.forward_context import (
     AFDForwardMetadata,
+    StageHooks,
     dbo_yield,
     get_afd_forward_metadata,
+    install_stage_hooks,
     set_afd_forward_metadata,
 )
 from afd_core.metadata import (
@@ -55,8 +58,8 @@ from afd_core.metadata import (
     AFDPayloadSpec,
     AFDTransferMetadata,
 )
-from afd_core.overlap import plan_stages, run_overlapped
 from afd_core.session.startup import StartupCoordinator, cancel_startup
+from afd_core.stage_plan import plan_stages
 from afd_core.topology import AFDTopology
 
 __version__ = _version("afd-core")
@@ -94,6 +97,7 @@ __all__ = [
     "AFDTransferHandle",
     "AFDTransferMetadata",
     "ExpertMap",
+    "StageHooks",
     "StartupCoordinator",
     "__version__",
     "available_connectors",
@@ -102,9 +106,9 @@ __all__ = [
     "dbo_yield",
     "get_afd_forward_metadata",
     "get_connector_class",
+    "install_stage_hooks",
     "parse_afd_config",
     "plan_stages",
     "register_connector",
-    "run_overlapped",
     "set_afd_forward_metadata",
 ]

@@ -115,7 +115,7 @@ class AFDContextError(AFDError, RuntimeError):
 
 
 class AFDOverlapError(AFDError, RuntimeError):
-    """A stage of a two-stage overlap (:func:`afd_core.overlap.run_overlapped`) was stopped
+    """A stage of a two-stage overlap (the runtime's executor, ``afd_runtime.overlap``) was stopped
     because another stage of the same step failed; the run raises that stage's error."""
 
 

@@ -1,31 +1,30 @@
-"""Install and read the AFD metadata of the current forward, and the DBO yield hook.
+"""Install and read the AFD metadata of the current forward; the stage hook point.
 
 Invariants:
-* :func:`set_afd_forward_metadata` installs the metadata for the duration of a ``with`` block in
-  two places: a :class:`contextvars.ContextVar` (works without vLLM, e.g. in unit tests) and, when
-  a vLLM forward context is active, ``ForwardContext.additional_kwargs["afd_metadata"]`` (so vLLM's
-  DBO micro-batch threads, which do not inherit context variables, see it too). Both are restored
-  on exit, even on error.
-* :func:`get_afd_forward_metadata` prefers the active vLLM forward context's entry, then the
-  context variable, and raises :class:`AFDContextError` when neither holds metadata.
-* vLLM is never imported here: its modules are only consulted if already loaded in the process.
-* :func:`dbo_yield` hands the turn to the other stage when the caller runs inside afd-core's
-  two-stage overlap (:func:`afd_core.overlap.run_overlapped`), else yields to vLLM's dual-batch
-  overlap when that runs in this process, else does nothing. :func:`current_stage_idx` follows
-  the same order.
+* :func:`set_afd_forward_metadata` installs the metadata in a :class:`contextvars.ContextVar` for
+  the duration of a ``with`` block (nests; restored on exit, even on error).
+* :func:`get_afd_forward_metadata` asks the installed :class:`StageHooks` first (the runtime finds
+  the metadata of the running stage there, e.g. in vLLM's forward context, which DBO micro-batch
+  threads share without inheriting context variables), then the context variable, and raises
+  :class:`AFDContextError` when neither holds metadata.
+* :func:`dbo_yield` and :func:`current_stage_idx` ask the installed hooks: yield to the other
+  stage / the stage running on this thread. With no hooks installed (or hooks that report no
+  stage) ``dbo_yield`` does nothing and the stage is the metadata's ``stage_idx``.
+* This module knows nothing of the runtime that drives the forward: the hooks are the one point
+  where afd-runtime plugs its stage executor and vLLM's forward context in
+  (:func:`install_stage_hooks`, once per process, at worker start).
 """
 
 from __future__ import annotations
 
 import contextvars
-import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from afd_core.errors import AFDContextError
-from afd_core.overlap import current_overlap_stage, overlap_yield
 
 if TYPE_CHECKING:
     from afd_core.connector import AFDConnectorBase
@@ -33,15 +32,19 @@ if TYPE_CHECKING:
 __all__ = [
     "AFD_FORWARD_CONTEXT_KEY",
     "AFDForwardMetadata",
+    "StageHooks",
     "current_stage_idx",
     "dbo_yield",
     "get_afd_forward_metadata",
     "has_afd_forward_metadata",
+    "install_stage_hooks",
+    "installed_stage_hooks",
     "set_afd_forward_metadata",
 ]
 
 AFD_FORWARD_CONTEXT_KEY = "afd_metadata"
-"""Key under vLLM ``ForwardContext.additional_kwargs`` holding :class:`AFDForwardMetadata`."""
+"""The key a runtime stores :class:`AFDForwardMetadata` under in its own per-forward state (vLLM:
+``ForwardContext.additional_kwargs``), for its :meth:`StageHooks.lookup_metadata`."""
 
 _current: contextvars.ContextVar[AFDForwardMetadata | None] = contextvars.ContextVar(
     "afd_forward_metadata", default=None
@@ -111,17 +114,53 @@ class AFDForwardMetadata:
         return replace(self, stage_idx=stage_idx)
 
 
-def _vllm_forward_context() -> Any | None:
-    """The active vLLM ForwardContext, if vLLM is loaded and one is set; never imports vLLM."""
-    module = sys.modules.get("vllm.forward_context")
-    if module is None:
-        return None
-    try:
-        if not module.is_forward_context_available():
-            return None
-        return module.get_forward_context()
-    except Exception:
-        return None
+@runtime_checkable
+class StageHooks(Protocol):
+    """What the runtime that drives a forward tells the AFD layers (the one hook point).
+
+    Every method is called on the thread running the forward (or one of its stages) and must
+    not block except :meth:`yield_stage`, which blocks until this stage's turn comes back."""
+
+    def current_stage(self) -> int | None:
+        """The stage (micro-batch) running on this thread, or ``None`` when no stage executor
+        runs here (the metadata's ``stage_idx`` then counts)."""
+        ...
+
+    def yield_stage(self) -> None:
+        """Hand the turn to the other stage and wait for it to come back; return at once when
+        no other stage runs."""
+        ...
+
+    def lookup_metadata(self) -> AFDForwardMetadata | None:
+        """The metadata of the forward running on this thread when the runtime holds it (e.g.
+        in vLLM's forward context), else ``None``."""
+        ...
+
+
+_hooks: StageHooks | None = None
+_hooks_lock = threading.Lock()
+
+
+def install_stage_hooks(hooks: StageHooks | None) -> StageHooks | None:
+    """Install ``hooks`` for this process (``None`` removes them); returns the previous ones.
+
+    Raises:
+        AFDContextError: ``hooks`` does not implement :class:`StageHooks`.
+    """
+    global _hooks
+    if hooks is not None and not isinstance(hooks, StageHooks):
+        raise AFDContextError(
+            f"install_stage_hooks needs a StageHooks (current_stage, yield_stage, "
+            f"lookup_metadata), got {type(hooks).__name__}"
+        )
+    with _hooks_lock:
+        previous, _hooks = _hooks, hooks
+    return previous
+
+
+def installed_stage_hooks() -> StageHooks | None:
+    """The hooks :func:`install_stage_hooks` installed, if any."""
+    return _hooks
 
 
 @contextmanager
@@ -132,32 +171,18 @@ def set_afd_forward_metadata(metadata: AFDForwardMetadata) -> Iterator[AFDForwar
             f"set_afd_forward_metadata needs an AFDForwardMetadata, got {type(metadata).__name__}"
         )
     token = _current.set(metadata)
-    fctx = _vllm_forward_context()
-    kwargs: dict[str, Any] | None = getattr(fctx, "additional_kwargs", None) if fctx else None
-    missing = object()
-    previous: Any = missing
-    if isinstance(kwargs, dict):
-        previous = kwargs.get(AFD_FORWARD_CONTEXT_KEY, missing)
-        kwargs[AFD_FORWARD_CONTEXT_KEY] = metadata
     try:
         yield metadata
     finally:
-        if isinstance(kwargs, dict):
-            if previous is missing:
-                kwargs.pop(AFD_FORWARD_CONTEXT_KEY, None)
-            else:
-                kwargs[AFD_FORWARD_CONTEXT_KEY] = previous
         _current.reset(token)
 
 
 def _lookup() -> AFDForwardMetadata | None:
-    fctx = _vllm_forward_context()
-    if fctx is not None:
-        kwargs = getattr(fctx, "additional_kwargs", None)
-        if isinstance(kwargs, dict):
-            meta = kwargs.get(AFD_FORWARD_CONTEXT_KEY)
-            if isinstance(meta, AFDForwardMetadata):
-                return meta
+    hooks = _hooks
+    if hooks is not None:
+        meta = hooks.lookup_metadata()
+        if isinstance(meta, AFDForwardMetadata):
+            return meta
     return _current.get()
 
 
@@ -172,40 +197,24 @@ def get_afd_forward_metadata() -> AFDForwardMetadata:
     if meta is None:
         raise AFDContextError(
             "no AFD forward metadata is installed for this forward; wrap the forward in "
-            "afd_core.forward_context.set_afd_forward_metadata(...) (or attach it to vLLM's "
-            f"ForwardContext.additional_kwargs[{AFD_FORWARD_CONTEXT_KEY!r}])"
+            "afd_core.forward_context.set_afd_forward_metadata(...) (or let the runtime's "
+            "StageHooks.lookup_metadata find it)"
         )
     return meta
 
 
-def _vllm_ubatching() -> Any | None:
-    return sys.modules.get("vllm.v1.worker.ubatching")
-
-
 def current_stage_idx() -> int:
-    """The current stage: afd-core's overlap stage, else vLLM's DBO micro-batch id when DBO
-    runs, else the metadata's stage."""
-    stage = current_overlap_stage()
+    """The current stage: the hooks' stage when a stage executor runs on this thread, else the
+    metadata's ``stage_idx``."""
+    hooks = _hooks
+    stage = hooks.current_stage() if hooks is not None else None
     if stage is not None:
-        return stage
-    ubatching = _vllm_ubatching()
-    if ubatching is not None:
-        try:
-            if ubatching.dbo_enabled():
-                return int(ubatching.dbo_current_ubatch_id())
-        except Exception:
-            pass
+        return int(stage)
     return get_afd_forward_metadata().stage_idx
 
 
 def dbo_yield() -> None:
-    """Yield to the other stage (afd-core's overlap, else vLLM's ``dbo_yield``); a no-op
-    without either."""
-    if overlap_yield():
-        return
-    ubatching = _vllm_ubatching()
-    if ubatching is None:
-        return
-    enabled = getattr(ubatching, "dbo_enabled", None)
-    if enabled is not None and enabled():
-        ubatching.dbo_yield()
+    """Yield to the other stage through the installed hooks; a no-op without them."""
+    hooks = _hooks
+    if hooks is not None:
+        hooks.yield_stage()

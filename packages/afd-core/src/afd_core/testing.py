@@ -12,6 +12,9 @@ Invariants:
   ``"timeout"``.
 * A rank's outcome is ``("ok", value)``, ``("error", "<ExcType>: <message>", traceback_text)``,
   ``("exit", exitcode)`` (it died without reporting) or ``("timeout", None)``.
+* :func:`run_stages_in_turns` stands in for the runtime's stage executor where the runtime cannot
+  be imported (afd-remote's and afd-cam's tests): the stages of a split step take turns at
+  ``dbo_yield`` through afd-core's hook point.
 """
 
 from __future__ import annotations
@@ -24,11 +27,24 @@ import socket
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = ["ephemeral_port_range", "free_port", "free_ports", "run_world"]
+from afd_core.forward_context import (
+    AFDForwardMetadata,
+    install_stage_hooks,
+    installed_stage_hooks,
+)
+
+__all__ = [
+    "TurnTakingHooks",
+    "ephemeral_port_range",
+    "free_port",
+    "free_ports",
+    "run_stages_in_turns",
+    "run_world",
+]
 
 #: Where Linux keeps the range of ports it numbers sockets from.
 EPHEMERAL_RANGE_FILE: Final[Path] = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -148,4 +164,88 @@ def run_world(
             proc.kill()
             proc.join(timeout=5)
     out.close()
+    return results
+
+
+_turn_local = threading.local()  # .turns (the run this thread's stage belongs to), .stage
+
+
+class _Turns:
+    def __init__(self, count: int, timeout_s: float) -> None:
+        self.cond = threading.Condition()
+        self.turn = 0
+        self.ended = [False] * count
+        self.timeout_s = timeout_s
+
+    def _pass_turn(self, stage: int) -> None:
+        count = len(self.ended)
+        for step in range(1, count + 1):
+            other = (stage + step) % count
+            if not self.ended[other]:
+                self.turn = other
+                break
+        self.cond.notify_all()
+
+    def _wait(self, stage: int) -> None:
+        if not self.cond.wait_for(lambda: self.turn == stage, self.timeout_s):
+            raise TimeoutError(f"stage {stage} never got its turn back")
+
+
+class TurnTakingHooks:
+    """:class:`~afd_core.forward_context.StageHooks` over whichever :func:`run_stages_in_turns`
+    run the calling thread's stage belongs to (state per thread: ranks of the in-process
+    transport are threads of one process, each running its own stages); idle, they do nothing."""
+
+    def current_stage(self) -> int | None:
+        return getattr(_turn_local, "stage", None)
+
+    def yield_stage(self) -> None:
+        turns: _Turns | None = getattr(_turn_local, "turns", None)
+        if turns is None:
+            return
+        stage = _turn_local.stage
+        with turns.cond:
+            turns._pass_turn(stage)
+            turns._wait(stage)
+
+    def lookup_metadata(self) -> AFDForwardMetadata | None:
+        return None
+
+
+_TURN_HOOKS = TurnTakingHooks()
+
+
+def run_stages_in_turns(stages: Sequence[Callable[[], Any]], timeout_s: float = 60.0) -> list[Any]:
+    """A test stand-in for the runtime's stage executor (``afd_runtime.overlap``): run ``stages``
+    on one thread each, exactly one at a time, the turn passed to the next unfinished stage at
+    every :func:`~afd_core.forward_context.dbo_yield` (through :class:`TurnTakingHooks`, which
+    it installs and leaves installed). Returns the results in order; the first error is
+    re-raised after every stage ended."""
+    turns = _Turns(len(stages), timeout_s)
+    results: list[Any] = [None] * len(stages)
+    errors: list[BaseException] = []
+
+    def body(idx: int) -> None:
+        _turn_local.turns, _turn_local.stage = turns, idx
+        try:
+            with turns.cond:
+                turns._wait(idx)
+            results[idx] = stages[idx]()
+        except BaseException as err:
+            errors.append(err)
+        finally:
+            _turn_local.turns = _turn_local.stage = None
+            with turns.cond:
+                turns.ended[idx] = True
+                turns._pass_turn(idx)
+
+    if installed_stage_hooks() is not _TURN_HOOKS:
+        install_stage_hooks(_TURN_HOOKS)  # left installed: idle, it does nothing
+    threads = [threading.Thread(target=body, args=(i,), daemon=True) for i in range(len(stages))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(2 * timeout_s)
+    if errors:
+        raise errors[0]
     return results

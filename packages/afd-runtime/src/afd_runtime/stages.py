@@ -1,14 +1,14 @@
 """Two-stage overlap on the Attention role (``AFDConfig.num_stages == 2``).
 
 Per real step (vLLM's ``execute_model``), the Attention runner splits the batch into two stages
-at a request boundary, balanced by tokens (:func:`afd_core.overlap.plan_stages`; a step with one
+at a request boundary, balanced by tokens (:func:`afd_core.stage_plan.plan_stages`; a step with one
 request, or one vLLM must not split, runs one stage). vLLM's own micro-batching machinery builds
 each stage's attention metadata: the runner is told to micro-batch the step
 (:func:`install_stage_split`) at that request boundary, so ``ForwardContext.ubatch_slices`` and
 per-stage ``attn_metadata`` / ``slot_mapping`` lists reach the model's forward. The step hook
 (:func:`afd_runtime.workers.base.install_step_hook`) then runs :func:`run_stages`: one vLLM
 forward context per stage, the stages run by afd-core's ping-pong
-(:func:`afd_core.overlap.run_overlapped`), the outputs concatenated in stage order.
+(:func:`afd_runtime.overlap.run_overlapped`), the outputs concatenated in stage order.
 
 Which steps split follows vLLM's own dual-batch-overlap rules:
 
@@ -39,9 +39,10 @@ from typing import Any
 import torch
 from afd_core.connector import AFDConnectorBase
 from afd_core.forward_context import AFD_FORWARD_CONTEXT_KEY, AFDForwardMetadata
-from afd_core.overlap import plan_stages, run_overlapped
+from afd_core.stage_plan import plan_stages
 
 from afd_runtime.faults import delay_injector
+from afd_runtime.overlap import run_overlapped
 
 _MARK = "_afd_stage_split"
 _DELAY = delay_injector("attention-stages")  # tests only (AFD_INJECT_DELAY_MS)
@@ -60,7 +61,7 @@ def split_point(
     ``query_lens`` / ``computed``: each scheduled request's new and already computed tokens, in
     batch order. ``decode_threshold`` / ``prefill_threshold``: the fewest tokens a step of
     decodes only / any other step needs to split (vLLM's DBO thresholds). Whole when
-    :func:`afd_core.overlap.plan_stages` says so, below the threshold, or when a request reads KV
+    :func:`afd_core.stage_plan.plan_stages` says so, below the threshold, or when a request reads KV
     it did not write in an earlier step (see the module docstring)."""
     if num_stages < 2:
         return None

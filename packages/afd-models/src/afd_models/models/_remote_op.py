@@ -30,7 +30,7 @@ from afd_remote.proxy import RemoteFFNTransfer
 
 _PROXIES: dict[tuple[int, bool], AFDAttentionFusedMoE] = {}
 _LOCK = threading.Lock()
-# Stages of one step run one at a time (afd_core.overlap), so one handoff serves every stage.
+# Stages of one step run one at a time (afd_runtime.overlap), so one handoff serves every stage.
 _HANDOFF: ReceiveHandoff[torch.Tensor] = ReceiveHandoff()
 
 

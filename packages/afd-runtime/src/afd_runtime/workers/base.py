@@ -42,6 +42,7 @@ from afd_core.errors import AFDCancelledError, AFDModelError, AFDPayloadError, A
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
 
+from afd_runtime import stage_hooks
 from afd_runtime.attention_link import AFDFFNUnavailableError, AttentionLink
 from afd_runtime.compute import AFDFFNModel, select_ffn_compute
 from afd_runtime.faults import raise_if_injected
@@ -261,6 +262,7 @@ class AFDAttentionWorkerMixin:
         link = AttentionLink(connector, name=f"rank {rank}", metrics=metrics)
         link.connect(init=lambda: init_or_exit_on_signal(connector, f"AFD Attention rank {rank}"))
         self._afd_link = link
+        stage_hooks.install()  # the AFD layers' stage, yield and metadata come from here
         install_stage_split(self.model_runner, cfg.num_stages)
         install_step_hook(model, link, cfg.num_stages, cfg.timeout_s, self.vllm_config)
         logger.info("AFD Attention rank %d connected through connector %r", rank, connector.name)

@@ -1,10 +1,11 @@
-"""Two-stage overlap (DBO) of one forward: the stage plan and the ping-pong that runs it.
+"""The stage executor of a two-stage overlap (DBO): the ping-pong that runs a split step.
 
-A step whose batch holds several requests is split at request boundaries into stages
-(:func:`plan_stages`, balanced by tokens). :func:`run_overlapped` runs one callable per stage, each
-on its own thread, **exactly one running at a time**: a stage runs until it calls
-:func:`afd_core.forward_context.dbo_yield` (the remote FFN proxy does, between sending a layer's
-payload and receiving its output) and the next stage still running takes the turn. So while stage
+A step the runner split (at request boundaries, :func:`afd_core.stage_plan.plan_stages`) runs
+through :func:`run_overlapped`: one callable per stage, each on its own thread, **exactly one
+running at a time**: a stage runs until it calls :func:`afd_core.forward_context.dbo_yield` (the
+remote FFN proxy does, between sending a layer's payload and receiving its output; the yield
+reaches :func:`overlap_yield` through :mod:`afd_runtime.stage_hooks`) and the next stage still
+running takes the turn. So while stage
 0's FFN round trip is in flight, stage 1 computes its attention for the same layer, and so on::
 
     stage 0: attn L0 | send L0 ~yield~                 | recv L0, attn L1 | send L1 ~yield~ ...
@@ -38,45 +39,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, Generic, TypeVar
 
-from afd_core.errors import AFDOverlapError, AFDTimeoutError
+from afd_core.errors import AFDConfigError, AFDOverlapError, AFDTimeoutError
 
 __all__ = [
     "current_overlap_stage",
     "overlap_yield",
-    "plan_stages",
     "run_overlapped",
 ]
 
 T = TypeVar("T")
 
 _local = threading.local()
-
-
-def plan_stages(query_lens: Sequence[int], num_stages: int) -> tuple[int, ...] | None:
-    """Requests per stage for a step whose requests have ``query_lens`` tokens, in batch order.
-
-    Cuts at request boundaries only (a request never spans two stages), choosing the cut that
-    best balances the stages' token counts (ties: the earlier cut). Returns ``None`` when the step
-    runs as one stage: ``num_stages == 1`` or fewer requests than stages.
-
-    Raises:
-        ValueError: ``num_stages`` is not 1 or 2, or a query length is not a positive int.
-    """
-    if isinstance(num_stages, bool) or num_stages not in (1, 2):
-        raise ValueError(f"num_stages={num_stages!r}; allowed: 1 or 2")
-    lens = [int(n) for n in query_lens]
-    if any(n <= 0 for n in lens):
-        raise ValueError(f"query_lens={lens!r}; allowed: positive token counts")
-    if num_stages == 1 or len(lens) < num_stages:
-        return None
-    total = sum(lens)
-    best_cut, best_gap, prefix = 1, total, 0
-    for cut in range(1, len(lens)):
-        prefix += lens[cut - 1]
-        gap = abs(total - 2 * prefix)
-        if gap < best_gap:
-            best_cut, best_gap = cut, gap
-    return (best_cut, len(lens) - best_cut)
 
 
 def current_overlap_stage() -> int | None:
@@ -236,15 +209,15 @@ def run_overlapped(
     Returns the stages' results in stage order. A lone stage never waits at a yield.
 
     Raises:
-        ValueError: no stage, or ``timeout_s`` is not a positive number.
+        AFDConfigError: no stage, or ``timeout_s`` is not a positive number.
         BaseException: the first error a stage raised (see the module invariants).
         AFDTimeoutError: a stage did not end within ``2 * timeout_s`` after the run's last turn
             change (its thread stays busy and leaves the pool's rotation).
     """
     if not stages:
-        raise ValueError("stages is empty; allowed: one callable per stage")
+        raise AFDConfigError("stages", list(stages), "one callable per stage")
     if isinstance(timeout_s, bool) or not isinstance(timeout_s, int | float) or timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s!r}; allowed: seconds > 0")
+        raise AFDConfigError("timeout_s", timeout_s, "seconds > 0")
     run: _Run[T] = _Run(len(stages), float(timeout_s), on_resume)
     done = [threading.Event() for _ in stages]
     for idx, (worker, fn) in enumerate(zip(_take_workers(len(stages), name), stages, strict=True)):

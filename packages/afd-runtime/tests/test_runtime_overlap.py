@@ -1,48 +1,28 @@
-"""afd-core's two-stage overlap: the request-boundary stage plan and the ping-pong that runs it."""
+"""afd-runtime's stage executor: the ping-pong that runs a split step, one stage at a time.
+
+The stages yield through afd-core's hook point (:func:`afd_core.forward_context.dbo_yield`), which
+reaches the executor only because the runtime's hooks are installed (as a worker does at start).
+"""
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
-from afd_core.errors import AFDOverlapError, AFDTimeoutError
-from afd_core.forward_context import current_stage_idx, dbo_yield
-from afd_core.overlap import current_overlap_stage, plan_stages, run_overlapped
+from afd_core.errors import AFDConfigError, AFDOverlapError, AFDTimeoutError
+from afd_core.forward_context import current_stage_idx, dbo_yield, install_stage_hooks
+from afd_runtime import overlap, stage_hooks
+from afd_runtime.overlap import current_overlap_stage, run_overlapped
 
 
-@pytest.mark.parametrize(
-    ("query_lens", "expected"),
-    [
-        ([1, 1], (1, 1)),
-        ([1, 1, 1, 1], (2, 2)),
-        ([1, 1, 1], (1, 2)),  # tie (1 vs 2, 2 vs 1): the earlier cut
-        ([10, 1, 1], (1, 2)),
-        ([1, 1, 10], (2, 1)),
-        ([3, 4, 5], (2, 1)),
-        ([7, 2, 2, 2, 1], (1, 4)),
-    ],
-)
-def test_plan_cuts_at_the_request_boundary_that_best_balances_tokens(
-    query_lens: list[int], expected: tuple[int, int]
-) -> None:
-    assert plan_stages(query_lens, 2) == expected
-
-
-@pytest.mark.parametrize(("query_lens", "stages"), [([5], 2), ([1], 2), ([3, 4], 1)])
-def test_plan_keeps_one_request_or_one_stage_whole(query_lens: list[int], stages: int) -> None:
-    assert plan_stages(query_lens, stages) is None
-
-
-@pytest.mark.parametrize(
-    ("query_lens", "stages", "field"),
-    [([1, 1], 3, "num_stages"), ([1, 1], True, "num_stages"), ([1, 0], 2, "query_lens")],
-)
-def test_plan_rejects_bad_input_naming_it(
-    query_lens: list[int], stages: object, field: str
-) -> None:
-    with pytest.raises(ValueError, match=field):
-        plan_stages(query_lens, stages)  # type: ignore[arg-type]
+@pytest.fixture(autouse=True)
+def runtime_hooks() -> Iterator[None]:
+    previous = install_stage_hooks(None)
+    stage_hooks.install()
+    yield
+    install_stage_hooks(previous)
 
 
 def _layers(stage: int, log: list[tuple[int, int, str]], layers: int = 3) -> object:
@@ -136,8 +116,6 @@ def test_a_failing_stage_stops_the_other_and_its_error_is_raised() -> None:
     # Stage 0 received layer 0 and sent layer 1; its next yield raised, so it never received it.
     assert log == [(0, 0, "send"), (1, 0, "send"), (0, 0, "recv"), (0, 1, "send")]
     # Nothing is left running: the pooled stage threads are idle and serve the next run.
-    from afd_core import overlap
-
     assert not [w for w in overlap._POOL if w.busy]
     assert run_overlapped([lambda: 1, lambda: 2], timeout_s=10) == [1, 2]
 
@@ -195,7 +173,16 @@ def test_a_stage_holding_the_turn_past_the_timeout_fails_the_run() -> None:
 
 @pytest.mark.parametrize("timeout", [0, -1, True, "1"])
 def test_run_rejects_bad_arguments(timeout: object) -> None:
-    with pytest.raises(ValueError, match="timeout_s"):
+    with pytest.raises(AFDConfigError, match="timeout_s"):
         run_overlapped([lambda: None], timeout_s=timeout)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="stages"):
+    with pytest.raises(AFDConfigError, match="stages"):
         run_overlapped([], timeout_s=1)
+
+
+def test_without_the_runtime_hooks_a_yield_does_not_reach_the_executor() -> None:
+    """The executor is reached through the hook point only: with no hooks installed the stages
+    never hand over the turn, so stage 0 runs to its end before stage 1 starts."""
+    install_stage_hooks(None)
+    log: list[tuple[int, int, str]] = []
+    assert run_overlapped([_layers(0, log), _layers(1, log)], timeout_s=10) == [100, 101]  # type: ignore[list-item]
+    assert [e[0] for e in log] == [0] * 6 + [1] * 6
