@@ -762,8 +762,9 @@ def agreement_rank(rank: int, port: int, case: str) -> dict[str, Any]:
     """1 Attention : 2 FFN ranks. ``case``:
 
     * ``geometry``: the FFN ranks publish different ``role_agreement`` (quantization geometry);
-    * ``hook``: FFN rank 1's ready hook raises;
-    * ``ok``: equal agreement, hooks record the group info.
+    * ``hook``: FFN rank 1's bind between ``open_groups`` and ``confirm_ready`` fails (it
+      aborts in stage ``bind``, as afd-runtime does when a Mega bind fails);
+    * ``ok``: equal agreement; every rank records its group info between the two steps.
     """
     topo = AFDTopology(1, 2)
     role, role_rank = topo.role_of(rank)
@@ -778,17 +779,10 @@ def agreement_rank(rank: int, port: int, case: str) -> dict[str, Any]:
     )
     seen: list[Any] = []
     agreement = None
-    hook = None
     if role is AFDRole.FFN:
         agreement = {"expert_quant": "w8a8", "hidden": 16}
         if case == "geometry" and role_rank == 1:
             agreement = {"expert_quant": "w4a8", "hidden": 16}
-
-        def hook(conn: Any) -> None:
-            seen.append(conn.group_info())
-            if case == "hook" and role_rank == 1:
-                raise RuntimeError("planted bind failure on FFN rank 1")
-
     conn = P2PConnector(
         cfg,
         topo,
@@ -796,15 +790,22 @@ def agreement_rank(rank: int, port: int, case: str) -> dict[str, Any]:
         payload_spec=spec_for("hidden_f16_topk"),
         num_layers=NUM_LAYERS,
         role_agreement=agreement,
-        ready_hook=hook,
     )
     try:
-        conn.init()
+        conn.open_groups()
+        seen.append(conn.group_info())
+        group = conn.data_process_group()
+        if case == "hook" and role is AFDRole.FFN and role_rank == 1:
+            reason = "RuntimeError: planted bind failure on FFN rank 1"
+            conn.abort("bind", reason)
+            return {"error": "bind", "text": reason, "seen": len(seen)}
+        conn.confirm_ready()
     except AFDError as err:
         return {"error": type(err).__name__, "text": str(err), "seen": len(seen)}
     info = conn.group_info()
+    backend = str(group.name())
     conn.close()
-    return {"error": None, "info": info, "seen": seen}
+    return {"error": None, "info": info, "seen": seen, "backend": backend}
 
 
 def replaced_ffn_proc(proc: int, port: int, liveness_s: float) -> dict[str, Any]:
@@ -951,8 +952,9 @@ def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
       timer thread while the client probes for it.
     * ``handshake`` (1 process, Attention rank 0): the store's master waits for the FFN rank's
       handshake; cancelled from a SIGUSR1 handler (what a SIGTERM handler does).
-    * ``ready`` (2 processes): rank 0's ready hook sleeps 6 s; rank 1 waits in the ``ready``
-      barrier and is cancelled after 3 s; rank 0 then sees rank 1's published failure.
+    * ``ready`` (2 processes): rank 0 sleeps 6 s between ``open_groups`` and ``confirm_ready``
+      (a long bind); rank 1 waits in the ``ready`` barrier and is cancelled after 3 s; rank 0
+      then sees rank 1's published failure.
     """
     from afd_core.session.startup import cancel_startup
 
@@ -962,8 +964,7 @@ def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
     role, role_rank = topo.role_of(rank)
     cfg = _config(role, port, 1, 1, timeout_s=60.0)
     spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
-    hook = (lambda _conn: time.sleep(6.0)) if case == "ready" and rank == 0 else None
-    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=1, ready_hook=hook)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=1)
     if case == "handshake":
         signal.signal(signal.SIGUSR1, lambda *_: cancel_startup("SIGUSR1"))
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
@@ -973,7 +974,10 @@ def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
         threading.Timer(3.0, cancel_startup, ("test cancel",)).start()
     started = time.monotonic()
     try:
-        conn.init()
+        conn.open_groups()
+        if case == "ready" and rank == 0:
+            time.sleep(6.0)  # a long bind between the two steps
+        conn.confirm_ready()
     except AFDError as err:
         result = _err(err)
         result["stage"] = getattr(err, "stage", None)
@@ -987,24 +991,22 @@ def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
 
 
 def exit_in_init_rank(rank: int, port: int) -> dict[str, Any]:
-    """1:1 world; rank 0's ready hook raises ``SystemExit(0)``: rank 0's ``init`` must let it
-    through (not turn it into a peer error), rank 1 must see rank 0's published failure."""
+    """1:1 world; rank 0's ready barrier raises ``SystemExit(0)`` (as a process being stopped
+    would): rank 0's start must let it through (not turn it into a peer error) and publish it,
+    rank 1 must see rank 0's published failure."""
+    from afd_core.session.session import AFDSession
+
     topo = AFDTopology(1, 1)
     role, role_rank = topo.role_of(rank)
     cfg = _config(role, port, 1, 1, timeout_s=30.0)
     spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    if rank == 0:
 
-    def hook(_conn: Any) -> None:
-        raise SystemExit(0)
+        def exit_in_ready(*_: Any, **__: Any) -> None:
+            raise SystemExit(0)
 
-    conn = P2PConnector(
-        cfg,
-        topo,
-        role_rank,
-        payload_spec=spec,
-        num_layers=1,
-        ready_hook=hook if rank == 0 else None,
-    )
+        AFDSession.ready = exit_in_ready  # type: ignore[method-assign]  # this process only
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=1)
     try:
         conn.init()
     except SystemExit as exit_:

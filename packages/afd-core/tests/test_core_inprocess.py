@@ -16,7 +16,9 @@ from afd_core.config import AFDConfig
 from afd_core.connector import create_connector, get_connector_class
 from afd_core.connector.inprocess import InProcessConnector
 from afd_core.errors import (
+    AFDConnectorError,
     AFDHandshakeError,
+    AFDNotInitializedError,
     AFDPeerError,
     AFDProtocolError,
     AFDRankServedError,
@@ -294,17 +296,39 @@ def test_abort_and_timeout_reach_the_waiting_peer() -> None:
     assert "planted compute error" in str(info.value)
 
 
-def test_ready_hook_failure_reaches_the_peer() -> None:
+def test_a_bind_failure_between_open_and_ready_reaches_the_peer() -> None:
+    """What afd-runtime does when a Mega bind fails: the FFN rank opened its groups, aborts in
+    stage ``bind``; the Attention rank's start fails naming that rank, stage and reason."""
     port = next(_ports)
+    a, f = conn("attention", port), conn("ffn", port)
 
-    def hook(_: Any) -> None:
-        raise RuntimeError("planted bind failure")
+    def ffn_start() -> None:
+        f.open_groups()
+        f.abort("bind", "RuntimeError: planted bind failure")
+        f.confirm_ready()  # the aborted connector is closed: not started
 
-    a = conn("attention", port)
-    f = create_connector(cfg("ffn", port), 0, payload_spec=SPEC, num_layers=2, ready_hook=hook)
-    ra, rf = in_threads(a.init, f.init)
-    assert isinstance(rf, Exception) and "planted bind failure" in str(rf)
-    assert isinstance(ra, AFDStartupError) and ra.stage == "ready_hook", ra
+    ra, rf = in_threads(a.init, ffn_start)
+    assert isinstance(rf, AFDNotInitializedError), rf
+    assert isinstance(ra, AFDStartupError) and (ra.rank, ra.stage) == (1, "bind"), ra
+    assert "planted bind failure" in str(ra)
+
+
+def test_open_groups_then_confirm_ready_is_a_whole_start() -> None:
+    port = next(_ports)
+    a, f = conn("attention", port), conn("ffn", port)
+
+    def ffn_start() -> None:
+        f.open_groups()
+        f.open_groups()  # idempotent
+        assert not f.is_initialized
+        f.confirm_ready()
+
+    assert in_threads(a.init, ffn_start) == [None, None]
+    assert a.is_initialized and f.is_initialized
+    with pytest.raises(AFDConnectorError, match="no process group"):
+        f.data_process_group()  # the in-process transport moves no data on one
+    a.close()
+    f.close()
 
 
 def test_served_ranks_disagreeing_on_stages_is_a_protocol_error() -> None:

@@ -599,17 +599,18 @@ def test_ffn_ranks_refuse_different_role_agreement() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_ready_hook_failure_fails_every_rank_with_its_message() -> None:
+def test_a_bind_failure_between_open_and_ready_fails_every_rank_with_its_message() -> None:
     results = ok(run_world(worlds.agreement_rank, 3, free_port(), "hook", timeout_s=100))
     assert results[0]["error"] == "AFDStartupError"
-    assert "world rank 2" in results[0]["text"] and "'ready_hook'" in results[0]["text"]
+    assert "world rank 2" in results[0]["text"] and "'bind'" in results[0]["text"]
     assert "planted bind failure on FFN rank 1" in results[0]["text"]
-    assert results[2]["error"] is not None and results[2]["seen"] == 1
-    assert "planted bind failure" in results[2]["text"]
+    assert results[2]["error"] == "bind" and results[2]["seen"] == 1
+    # FFN rank 0 (world rank 1) waited in the ready barrier and fails naming world rank 2 too.
+    assert results[1]["error"] == "AFDStartupError" and "world rank 2" in results[1]["text"]
 
 
 @pytest.mark.timeout(120)
-def test_ready_hook_sees_the_data_group() -> None:
+def test_open_groups_exposes_the_data_group_before_ready() -> None:
     results = ok(run_world(worlds.agreement_rank, 3, free_port(), "ok", timeout_s=100))
     port_tag = results[0]["info"].name.split("/")[1]
     for rank, peers in ((0, (1, 2)), (1, (0,)), (2, (0,))):
@@ -617,8 +618,8 @@ def test_ready_hook_sees_the_data_group() -> None:
         assert results[rank]["error"] is None
         assert (info.world_size, info.rank, info.peer_ranks) == (3, rank, peers)
         assert info.name == f"afd-p2p/{port_tag}/g1/data"
-    for rank in (1, 2):
-        assert results[rank]["seen"] == [results[rank]["info"]]
+        assert results[rank]["seen"] == [info]  # the same group before confirm_ready
+        assert results[rank]["backend"] == "gloo"  # the data plane's process group
 
 
 @pytest.mark.timeout(120)
@@ -664,7 +665,7 @@ def test_cancel_in_the_ready_barrier_is_published_to_the_peer() -> None:
     results = ok(run_world(worlds.cancel_startup_rank, 2, free_port(), "ready", timeout_s=60))
     assert results[1]["type"] == "AFDCancelledError", results
     assert results[1]["stage"] == "ready"
-    # Rank 0 finishes its 6 s ready hook, then fails at once naming rank 1's cancellation.
+    # Rank 0 finishes its 6 s bind, then fails at once naming rank 1's cancellation.
     assert results[0]["type"] == "AFDStartupError", results
     assert (results[0]["rank"], results[0]["stage"]) == (1, "ready")
     assert "AFDCancelledError" in results[0]["reason"] and "test cancel" in results[0]["reason"]
@@ -676,7 +677,7 @@ def test_system_exit_in_init_is_not_a_peer_error() -> None:
     results = ok(run_world(worlds.exit_in_init_rank, 2, free_port(), timeout_s=60))
     assert results[0] == {"type": "SystemExit", "code": 0, "initialized_after": False}
     assert results[1]["type"] == "AFDStartupError", results
-    assert (results[1]["rank"], results[1]["stage"]) == (0, "ready_hook")
+    assert (results[1]["rank"], results[1]["stage"]) == (0, "ready")
     assert results[1]["reason"].startswith("SystemExit")
 
 

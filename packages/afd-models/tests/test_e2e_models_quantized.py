@@ -1,19 +1,24 @@
 """E2E: quantized experts on the FFN role (afd-compute-npu's Layered and Mega, reference backend).
 
 Per family one scheme, served twice through the Attention role: FFN role with ``ffn_compute:
-layered``, then with ``ffn_compute: mega``. Checked: the two serve identical greedy tokens (the
-same reference math, one fused call against separate steps); the FFN quantized its experts
-(expert bytes against bf16 as the scheme implies); its measured layer error (teacher-forced on
-the served tokens, ``AFD_REPORT_QUANT_ERROR=1``) is within the documented tolerance. Exact parity
-with plain fp32 vLLM is not expected; the share of equal tokens is printed, not asserted.
+layered``, then with ``ffn_compute: mega``. Each is checked on its own against an independent
+float reference (the adapter's fp32 experts on the same routed rows, teacher-forced on the served
+tokens: ``AFD_REPORT_QUANT_ERROR=1``): its worst relative layer error is within the documented
+tolerance AND above a floor that only quantization explains, so a path that silently computed in
+fp32 fails. (On CPU both run afd-compute-npu's reference backend: comparing Layered's tokens with
+Mega's would compare the same math, so it is not asserted.) The FFN quantized its experts (expert
+bytes against bf16 as the scheme implies) and Mega was bound to the communicator of the
+connector's data group. Exact parity with plain fp32 vLLM is not expected.
 
 And: a Mega bind failure (injected with ``AFD_INJECT_FAULT=mega_bind``) makes the Attention role
-exit non-zero at startup with the FFN's message, within its startup timeout.
+exit non-zero at startup with the FFN's message (published in stage ``bind``), within its
+startup timeout.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
 from pathlib import Path
 
@@ -39,6 +44,8 @@ from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm_runtime, pytest.mark.slow]
 
 MAX_TOKENS = 12
+#: Far above fp32 rounding (~1e-7 relative), far below any 8-bit quantization error (~1e-3).
+QUANTIZED_ERROR_FLOOR = 1e-5
 OPTIONS = EngineOptions(dtype="float32", enforce_eager=True, max_model_len=512)
 #: family -> (gate on Attention, FFN quantization, expert bytes / bf16 bytes)
 CASES = {
@@ -70,7 +77,7 @@ def _serve(model: Path, family: str, compute: str, log_dir: Path, **kw: object) 
 
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("family", list(CASES))
-def test_layered_and_mega_serve_identical_tokens(
+def test_layered_and_mega_each_within_tolerance_of_the_float_reference_and_quantized(
     family: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     model = ensure_tiny_checkpoint(
@@ -105,10 +112,13 @@ def test_layered_and_mega_serve_identical_tokens(
         assert calls >= 1
         scheme = quant["expert_quant"]
         assert max_rel <= QUANT_ERROR_TOLERANCE[scheme], (compute, layer, max_rel)
+        # 8- and 4-bit weights cannot reproduce fp32 experts: a zero (or fp32-rounding-sized)
+        # error means this compute did not run quantized.
+        assert max_rel > QUANTIZED_ERROR_FLOOR, (compute, layer, max_rel)
         if compute == "mega":
-            assert "Mega bound to afd-p2p/" in log
+            assert re.search(r"Mega bound to \S+ \(group afd-p2p/\S+/data\)", log), log[-3000:]
     assert all(len(t) == MAX_TOKENS for t in outputs["layered"])
-    assert outputs["layered"] == outputs["mega"]
+    assert all(len(t) == MAX_TOKENS for t in outputs["mega"])
 
 
 @pytest.mark.timeout(900)
@@ -139,11 +149,11 @@ def test_mega_bind_failure_fails_the_attention_role_at_startup(
         # Engine start (~60 s here) plus at most the startup timeout, not vLLM's 600 s.
         assert elapsed < 90.0 + startup_timeout_s, elapsed
         text = attention.log_text()  # type: ignore[attr-defined]
-        assert "'ready_hook'" in text and "injected: AFD_INJECT_FAULT=mega_bind" in text
+        assert "'bind'" in text and "injected: AFD_INJECT_FAULT=mega_bind" in text
         # The bind failure is fatal on the FFN rank too: its engine core stops (vLLM's API server
         # then reports the engine dead: /health is no longer 200).
         ffn_log = ffn.log_text()  # type: ignore[attr-defined]
-        assert "AFD FFN rank 0 service failed" in ffn_log and "AFDReadyHookError" in ffn_log
+        assert "AFD FFN rank 0 service failed" in ffn_log and "AFDCommBindError" in ffn_log
         deadline = time.monotonic() + 60
         while ffn.healthy() and time.monotonic() < deadline:  # type: ignore[attr-defined]
             time.sleep(1)

@@ -140,7 +140,7 @@ def test_compute_selection_errors() -> None:
 # -- quantized computes ------------------------------------------------------------------------
 
 
-def _quantized_model(scheme: Any, group_size: int = 0) -> Any:
+def _quantized_model(scheme: Any, group_size: int = 0, dtype: torch.dtype = torch.float32) -> Any:
     """An AFDQuantizedFFNModel over random experts (E=4, H=64, I=32, two layers), routing by a
     fixed top-2 of the token index."""
     from afd_weights import export_quantized_expert_weights
@@ -155,7 +155,7 @@ def _quantized_model(scheme: Any, group_size: int = 0) -> Any:
 
     class Model:
         afd_moe_layer_indices = (1, 3)
-        afd_payload_spec = AFDPayloadSpec(hidden_size=h, dtype=torch.float32)
+        afd_payload_spec = AFDPayloadSpec(hidden_size=h, dtype=dtype)
         afd_quantized_weights = weights
         afd_compute_top_k = 2
 
@@ -176,14 +176,50 @@ def _quantized_model(scheme: Any, group_size: int = 0) -> Any:
     return Model()
 
 
+class _HCCLBackend:
+    """torch-npu's ``ProcessGroupHCCL`` backend as a recording fake: what the P2P connector
+    builds as its data group on an NPU device (``name()``, ``get_hccl_comm_name``)."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+
+    def name(self) -> str:
+        return "hccl"
+
+    def get_hccl_comm_name(self, rank: int) -> str:
+        self.asked.append(rank)
+        return f"hccl_comm_{rank}"
+
+
+class _HCCLGroup:
+    """A registered HCCL process group (torch-npu: ``_get_backend(npu)`` gives the backend)."""
+
+    def __init__(self) -> None:
+        self.backend = _HCCLBackend()
+        self.devices: list[str] = []
+
+    def name(self) -> str:
+        return "hccl"
+
+    def _get_backend(self, device: Any) -> _HCCLBackend:
+        self.devices.append(str(device))
+        return self.backend
+
+
 class _Conn:
-    def __init__(self, name: str = "afd-p2p/127.0.0.1:1/g1/data") -> None:
+    """What the FFN service hands a binding compute after ``open_groups()``."""
+
+    def __init__(self, name: str = "afd-p2p/127.0.0.1:1/g1/data", group: Any = None) -> None:
         from afd_core.connector import AFDGroupInfo
 
         self.info = AFDGroupInfo(name=name, world_size=3, rank=2, peer_ranks=(0, 1))
+        self.group = group if group is not None else _HCCLBackend()
 
     def group_info(self) -> Any:
         return self.info
+
+    def data_process_group(self) -> Any:
+        return self.group
 
 
 def test_layered_and_mega_compute_identical_outputs_and_mega_binds_per_connection() -> None:
@@ -205,7 +241,7 @@ def test_layered_and_mega_compute_identical_outputs_and_mega_binds_per_connectio
         mega(1, x, None)
     mega.bind(_Conn())
     mega.bind(_Conn("afd-p2p/127.0.0.1:1/g2/data"))  # a new connection: a new bound Mega
-    assert mega.binds == 2
+    assert mega.binds == 2 and mega.bound_group_name == "hccl_comm_2"
     for layer in (1, 3):
         a, b = layered(layer, x, None), mega(layer, x, None)
         assert a.shape == (5, 64) and torch.equal(a, b)
@@ -234,15 +270,76 @@ def test_layered_and_mega_compute_identical_outputs_and_mega_binds_per_connectio
 
 
 def test_injected_mega_bind_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    from afd_runtime.comm_binding import AFDCommBindError
     from afd_runtime.faults import InjectedFaultError
     from afd_runtime.quantized import FAULT_ENV, QuantizedFFNCompute
     from afd_weights import QuantScheme
 
     mega = QuantizedFFNCompute("mega", _quantized_model(QuantScheme.W8A8), max_tokens=8, ffn_rank=1)
     monkeypatch.setenv(FAULT_ENV, "mega_bind")
-    with pytest.raises(InjectedFaultError, match=r"Mega bind to group .*g1/data.* failed \(inje"):
+    with pytest.raises(AFDCommBindError) as err:
         mega.bind(_Conn())
+    assert (err.value.field, err.value.value) == ("ffn_compute", "mega")
+    assert "communicator 'hccl_comm_2'" in str(err.value)
+    assert isinstance(err.value.__cause__, InjectedFaultError)
+    assert "AFD_INJECT_FAULT=mega_bind" in str(err.value)
     assert mega.binds == 0
+
+
+def test_mega_is_bound_to_the_hccl_communicator_name_that_reaches_dispatch_ffn_combine() -> None:
+    """Contract (no NPU): the name torch-npu's HCCL backend gives for the connector's data group
+    and this world rank is the ``group_name`` Ascend's fused kernel receives."""
+    from afd_compute_npu import AscendBackend
+    from afd_runtime.quantized import QuantizedFFNCompute
+    from afd_weights import QuantScheme
+
+    calls: list[tuple[Any, ...]] = []
+
+    class RecordedNative:
+        def dispatch_ffn_combine(self, *args: Any, **kwargs: Any) -> None:
+            calls.append(args)
+            args[11].fill_(1.0)
+
+    model = _quantized_model(QuantScheme.W8A8, dtype=torch.bfloat16)
+    mega = QuantizedFFNCompute(
+        "mega",
+        model,
+        max_tokens=8,
+        ffn_rank=0,
+        backend=AscendBackend(RecordedNative()),  # type: ignore[arg-type]
+    )
+    conn = _Conn()
+    mega.bind(conn)  # type: ignore[arg-type]
+    assert conn.group.asked == [2]  # the data group's HCCL backend, for world rank 2
+    mega(1, torch.ones(3, 64, dtype=torch.bfloat16), None)
+    (args,) = calls
+    assert args[9] == "hccl_comm_2"
+    assert args[10] == 8 * 2 * 3  # max_output_size: max tokens x top-k x world size
+
+
+def test_communicator_name_per_kind_of_group() -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+    from afd_runtime.comm_binding import AFDCommBindError, communicator_name
+
+    registered = _HCCLGroup()  # through _get_backend(npu), as vllm-ascend asks
+    assert communicator_name(registered, 3, "label") == "hccl_comm_3"
+    assert registered.devices == ["npu"] and registered.backend.asked == [3]
+    # The P2P connector's standalone gloo group (CPU) has no named communicator: its label.
+    gloo = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=5))
+    assert communicator_name(gloo, 0, "afd-p2p/h:1/g1/data") == "afd-p2p/h:1/g1/data"
+    with pytest.raises(AFDCommBindError) as err:
+        communicator_name(object(), 0, "label")
+    assert (err.value.field, err.value.value) == ("data_process_group", "object")
+
+    class _Nameless(_HCCLBackend):
+        def get_hccl_comm_name(self, rank: int) -> str:
+            return ""
+
+    with pytest.raises(AFDCommBindError) as err:
+        communicator_name(_Nameless(), 0, "label")
+    assert err.value.field == "group_name"
 
 
 class _IdsModel(_Model):

@@ -199,3 +199,46 @@ def test_input_ids_reach_the_ffn_compute_row_aligned() -> None:
     calls, without = out["ffn"][0]
     assert out["ffn"][1] is None and without == 0
     assert calls == [(layer, 2 * n + 1) for n in ranks.STEPS for layer in ranks.LAYERS]
+
+
+class _FailingBind:
+    """A compute that binds to the connector's communicator (as Mega does) and cannot."""
+
+    needs_bind = True
+
+    def __init__(self) -> None:
+        self.opened_before_bind: list[bool] = []
+
+    def bind(self, connector: Any) -> None:
+        self.opened_before_bind.append(not connector.is_initialized)  # not ready yet
+        raise RuntimeError("planted bind failure")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("no step runs unbound")
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_bind_fails_the_ffn_and_reaches_attention_in_stage_bind() -> None:
+    """The FFN service binds between the connector's open_groups() and confirm_ready(); a
+    failure is published (stage ``bind``), so the Attention rank's start fails at once naming
+    the FFN rank and the reason, and the FFN service fails (retrying could not help)."""
+    from afd_core.errors import AFDStartupError
+
+    port = free_port()
+    compute = _FailingBind()
+    cfg = ranks.config("ffn", port)
+    svc = FFNService(cfg, 0, ranks.LAYERS, compute, lambda: ranks.connector(cfg, 0))
+    attention = ranks.connector(ranks.config("attention", port), 0)
+    svc.start()
+    try:
+        with pytest.raises(AFDStartupError) as err:
+            attention.init()
+        assert (err.value.rank, err.value.stage) == (1, "bind"), err.value
+        assert "RuntimeError: planted bind failure" in str(err.value)
+        assert svc.wait(30) and svc.failed
+        assert compute.opened_before_bind == [True]
+        with pytest.raises(Exception, match="planted bind failure"):
+            svc.raise_if_failed()
+    finally:
+        svc.stop()
+        attention.close()

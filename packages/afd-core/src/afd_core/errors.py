@@ -36,7 +36,6 @@ __all__ = [
     "AFDPeerError",
     "AFDProtocolError",
     "AFDRankServedError",
-    "AFDReadyHookError",
     "AFDRegistryError",
     "AFDStartupError",
     "AFDStateError",
@@ -165,12 +164,6 @@ class AFDHandshakeError(AFDConnectorError):
             f"world rank {peer_rank} has {remote!r}"
         )
         super().__init__(f"{msg} ({hint})" if hint else msg)
-
-
-class AFDReadyHookError(AFDConnectorError):
-    """This rank's ready hook (see ``afd_core.connector.ReadyHook``) failed during ``init``; the
-    failure was published, so every peer's ``init`` fails naming this rank. ``__cause__`` holds
-    the hook's exception. Not a transient condition: retrying the same hook fails again."""
 
 
 class AFDTimeoutError(AFDConnectorError, TimeoutError):

@@ -25,6 +25,7 @@ from typing import Final, Protocol, runtime_checkable
 
 import torch
 from afd_core.config import AFDConfig
+from afd_core.connector import AFDConnectorBase
 from afd_core.errors import AFDConfigError, AFDModelError, AFDStateError
 from afd_core.metadata import AFDPayloadSpec
 
@@ -84,6 +85,18 @@ class SteppedFFNCompute(FFNCompute, Protocol):
     inside ``step(num_tokens)`` (``num_tokens``: the most tokens one call of the step gets)."""
 
     def step(self, num_tokens: int) -> AbstractContextManager[object]: ...
+
+
+@runtime_checkable
+class BindingFFNCompute(FFNCompute, Protocol):
+    """An :class:`FFNCompute` that binds to the connector's communicator once per connection
+    when ``needs_bind`` (afd-compute-npu's Mega): the service calls :meth:`bind` between the
+    connector's ``open_groups()`` and ``confirm_ready()``."""
+
+    @property
+    def needs_bind(self) -> bool: ...
+
+    def bind(self, connector: AFDConnectorBase) -> None: ...
 
 
 StepContext = Callable[[int], AbstractContextManager[object]]

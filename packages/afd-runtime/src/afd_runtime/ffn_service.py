@@ -71,7 +71,7 @@ from afd_core.errors import (
 from afd_core.metadata import AFDControlMessage, AFDPayload
 from afd_core.topology import AFDTopology
 
-from afd_runtime.compute import FFNCompute, SteppedFFNCompute
+from afd_runtime.compute import BindingFFNCompute, FFNCompute, SteppedFFNCompute
 from afd_runtime.faults import delay_injector, raise_if_injected
 from afd_runtime.metrics import RoleMetrics
 
@@ -247,13 +247,15 @@ class FFNService:
 
         Waiting is unbounded (an FFN may start first or outlive its Attention deployment);
         an Attention deployment that disagrees is refused and waited past; a disagreement
-        between FFN ranks and a failing ready hook (a Mega bind, ``AFDReadyHookError``) are
-        fatal: retrying could not change them."""
+        between FFN ranks and a failed bind (a Mega, :class:`AFDCommBindError`) are fatal:
+        retrying could not change them."""
         while not self._stop.is_set():
             connector = self._factory()
             self._idle.set()
             try:
-                connector.init()
+                connector.open_groups()
+                self._bind(connector)
+                connector.confirm_ready()
             except AFDCancelledError as exc:
                 # SIGTERM/SIGINT while waiting for the Attention role: stop, not a failure.
                 connector.close()
@@ -283,6 +285,18 @@ class FFNService:
             )
             return connector
         return None
+
+    def _bind(self, connector: AFDConnectorBase) -> None:
+        """Bind a compute that needs the connector's communicator (Mega) between
+        ``open_groups()`` and ``confirm_ready()``; a failure is published to every peer in stage
+        ``bind`` (their starts fail naming this rank and the reason) before it is raised."""
+        if not (isinstance(self.compute, BindingFFNCompute) and self.compute.needs_bind):
+            return
+        try:
+            self.compute.bind(connector)
+        except BaseException as err:
+            connector.abort("bind", f"{type(err).__name__}: {err}")
+            raise
 
     def _refuse_attention(self, exc: AFDHandshakeError) -> bool:
         """True when ``exc`` is a disagreement with an Attention rank: that deployment is

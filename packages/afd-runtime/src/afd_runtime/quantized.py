@@ -5,13 +5,15 @@ The adapter's FFN model quantized its experts at load (no float copy stays resid
 (:class:`AFDQuantizedFFNModel`); this module only runs the compute:
 
 * **Layered** is built once; every call runs ``layered(layer, hidden, local_ids, weights)``.
-* **Mega** is bound to the connector's data group: :meth:`QuantizedFFNCompute.bind` is the
-  connector's ready hook (``afd_core.connector.ReadyHook``), run inside ``init`` before the peers
-  are told this rank is ready, with the values the connector exposes (``group_info()``). Each
+* **Mega** is bound to the communicator behind the connector's data process group:
+  :meth:`QuantizedFFNCompute.bind` runs between the connector's ``open_groups()`` and
+  ``confirm_ready()`` (the FFN service calls it), with the communicator's name
+  (:func:`afd_runtime.comm_binding.communicator_name`: HCCL's through torch-npu, else the
+  torch.distributed group's) and the group's size, rank and peers (``group_info()``). Each
   connection (a new Attention deployment) gets a new bound Mega (a Mega binds exactly once). A
-  bind failure fails ``init`` with :class:`~afd_core.errors.AFDReadyHookError` here and, through
-  the startup coordinator, every Attention rank's ``init`` with this rank's message; no step runs
-  unbound (Mega itself raises ``MegaNotBoundError`` before any side effect).
+  bind failure fails this rank's start with :class:`~afd_runtime.comm_binding.AFDCommBindError`
+  and, published in stage ``bind``, every Attention rank's start with this rank's message; no
+  step runs unbound (Mega itself raises ``MegaNotBoundError`` before any side effect).
 * Backend: :class:`~afd_compute_npu.AscendBackend` on an NPU device, else the reference torch
   backend (CPU and CUDA).
 * :meth:`QuantizedFFNCompute.role_agreement` is what every FFN rank must share (scheme, group
@@ -30,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from afd_compute_npu import (
     AscendBackend,
+    ComputeBackend,
     ComputeConfig,
     ComputeGraphSignature,
     LayeredCompute,
@@ -42,6 +45,7 @@ from afd_core.errors import AFDConfigError, AFDPayloadError
 from afd_core.metadata import AFDPayloadSpec
 from afd_weights import QuantizedExpertWeights
 
+from afd_runtime.comm_binding import AFDCommBindError, communicator_name
 from afd_runtime.faults import FAULT_ENV, raise_if_injected  # noqa: F401  (FAULT_ENV: re-exported)
 from afd_runtime.metrics import RoleMetrics
 
@@ -88,7 +92,10 @@ class QuantizedFFNCompute:
         max_tokens: int,
         ffn_rank: int,
         device: torch.device | str = "cpu",
+        backend: ComputeBackend | None = None,
     ) -> None:
+        """``backend``: the compute backend (default: by ``device``, see :func:`compute_backend`;
+        contract tests pass an Ascend backend over recorded native ops)."""
         if kind not in ("layered", "mega"):
             raise AFDConfigError("ffn_compute", kind, "'layered', 'mega'")
         self.name = kind
@@ -102,11 +109,12 @@ class QuantizedFFNCompute:
             swiglu_limit=self.weights.swiglu_limit,
             routed_scaling_factor=self.weights.routed_scaling_factor,
         )
-        self.backend = compute_backend(device)
+        self.backend = backend if backend is not None else compute_backend(device)
         self._compute: LayeredCompute | MegaCompute | None = (
             LayeredCompute(self.weights, self.config, self.backend) if kind == "layered" else None
         )
         self.binds = 0
+        self.bound_group_name: str | None = None  # the communicator the current Mega is bound to
         self.metrics = RoleMetrics("ffn", ffn_rank)
         self._errors: dict[int, tuple[int, float]] = {}  # layer -> (calls, max relative error)
 
@@ -128,23 +136,38 @@ class QuantizedFFNCompute:
         }
 
     def bind(self, connector: AFDConnectorBase) -> None:
-        """The connector's ready hook for Mega: a new Mega bound to ``connector``'s group."""
+        """Bind a new Mega to the communicator behind ``connector``'s data process group (after
+        ``open_groups()``, before ``confirm_ready()``); nothing for Layered.
+
+        Raises:
+            AFDCommBindError: the group gives no communicator name, or Mega refused the bind.
+        """
         if not self.needs_bind:
             return
         info = connector.group_info()
-        raise_if_injected("mega_bind", f"Mega bind to group {info.name!r}")
-        mega = MegaCompute(self.weights, self.config, self.backend)
-        mega.bind(
-            MegaCommParams(
-                group_name=info.name,
-                world_size=info.world_size,
-                rank=info.rank,
-                peer_ranks=info.peer_ranks,
+        name = communicator_name(connector.data_process_group(), info.rank, info.name)
+        try:
+            raise_if_injected("mega_bind", f"Mega bind to communicator {name!r}")
+            mega = MegaCompute(self.weights, self.config, self.backend)
+            mega.bind(
+                MegaCommParams(
+                    group_name=name,
+                    world_size=info.world_size,
+                    rank=info.rank,
+                    peer_ranks=info.peer_ranks,
+                )
             )
-        )
+        except Exception as err:
+            raise AFDCommBindError(
+                "ffn_compute",
+                self.name,
+                f"a Mega bound to the communicator {name!r} of {info.name}",
+                detail=f"{type(err).__name__}: {err}",
+            ) from err
         self._compute = mega
         self.binds += 1
-        logger.info("AFD FFN rank %d: Mega bound to %s", self.ffn_rank, info.name)
+        self.bound_group_name = name
+        logger.info("AFD FFN rank %d: Mega bound to %s (group %s)", self.ffn_rank, name, info.name)
 
     def report(self) -> dict[int, str]:
         """Publish what an FFN rank reports once (the quantized expert bytes, the same experts'

@@ -9,7 +9,7 @@
   of the layers above a connector.
 """
 
-from afd_core.connector.base import AFDConnectorBase, AFDGroupInfo, AFDTransferHandle, ReadyHook
+from afd_core.connector.base import AFDConnectorBase, AFDGroupInfo, AFDTransferHandle
 from afd_core.connector.factory import (
     CONNECTOR_ENTRY_POINT_GROUP,
     available_connectors,
@@ -27,7 +27,6 @@ __all__ = [
     "AFDGroupInfo",
     "AFDSessionConnector",
     "AFDTransferHandle",
-    "ReadyHook",
     "available_connectors",
     "check_connector_config",
     "create_connector",

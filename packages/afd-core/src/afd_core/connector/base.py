@@ -32,7 +32,7 @@ import contextlib
 import json
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, ClassVar
@@ -53,7 +53,6 @@ __all__ = [
     "AFDConnectorBase",
     "AFDGroupInfo",
     "AFDTransferHandle",
-    "ReadyHook",
     "merge_control_messages",
 ]
 
@@ -61,19 +60,14 @@ __all__ = [
 @dataclass(frozen=True)
 class AFDGroupInfo:
     """The communication group a connector set up, as values (for a compute that binds to it,
-    e.g. afd-compute-npu's Mega): a name unique to this initialisation, the world size, this
-    rank and the world ranks it exchanges data with."""
+    e.g. afd-compute-npu's Mega): a label unique to this initialisation (for logs; the
+    communicator's own name comes from :meth:`AFDConnectorBase.data_process_group`), the world
+    size, this rank and the world ranks it exchanges data with."""
 
     name: str
     world_size: int
     rank: int
     peer_ranks: tuple[int, ...]
-
-
-ReadyHook = Callable[["AFDConnectorBase"], None]
-"""Called by ``init`` once the connector's groups exist, before its peers are told it is ready
-(the P2P connector: before the final startup barrier). Raising fails ``init`` on this rank and is
-published to every peer, whose ``init`` then fails naming this rank and the error."""
 
 
 class AFDTransferHandle:
@@ -156,7 +150,6 @@ class AFDConnectorBase(ABC):
         num_layers: int,
         device: torch.device | str | None = None,
         role_agreement: Mapping[str, Any] | None = None,
-        ready_hook: ReadyHook | None = None,
         model_identity: Mapping[str, Any] | None = None,
     ) -> None:
         if not isinstance(config, AFDConfig):
@@ -189,8 +182,6 @@ class AFDConnectorBase(ABC):
         if role_agreement is not None and not isinstance(role_agreement, Mapping):
             raise AFDConfigError("role_agreement", role_agreement, "None or a mapping")
         identity = _canonical_identity(model_identity)
-        if ready_hook is not None and not callable(ready_hook):
-            raise AFDConfigError("ready_hook", ready_hook, "None or a callable(connector)")
         self.config = config
         self.topology = topology
         self.role_rank = role_rank
@@ -201,7 +192,6 @@ class AFDConnectorBase(ABC):
         #: ``afd_runtime.identity``); every rank of both roles must publish it equal at init.
         #: Held as its canonical JSON form (string keys, lists, finite numbers).
         self.model_identity: dict[str, Any] = identity
-        self.ready_hook = ready_hook
         self.payload_spec = payload_spec
         self.num_layers = num_layers
         self.device = dev
@@ -228,6 +218,17 @@ class AFDConnectorBase(ABC):
         """
         raise AFDConnectorError(f"connector {self.name!r} exposes no communication group")
 
+    def data_process_group(self) -> Any:
+        """The torch.distributed process group this initialised connector moves data on (for a
+        compute that binds a communicator to it: afd-runtime derives the communicator's name from
+        it, e.g. HCCL's through torch-npu).
+
+        Raises:
+            AFDConnectorError: the connector has no process group (the default; e.g. the
+                in-process transport) or is not started.
+        """
+        raise AFDConnectorError(f"connector {self.name!r} moves data on no process group")
+
     @property
     def supported_payload_fields(self) -> frozenset[str]:
         """Payload fields this connector carries (exactly those of its payload spec)."""
@@ -253,6 +254,16 @@ class AFDConnectorBase(ABC):
     @abstractmethod
     def init(self) -> None:
         """Collective: connect, handshake and become ready (idempotent while initialised)."""
+
+    def open_groups(self) -> None:
+        """The first part of :meth:`init`: everything before this rank tells its peers it is
+        ready, so a compute can bind to the connector's groups in between; then
+        :meth:`confirm_ready`. The default (a transport without the split) is the whole
+        :meth:`init`."""
+        self.init()
+
+    def confirm_ready(self) -> None:  # noqa: B027  (a default, not an abstract step)
+        """The rest of :meth:`init` after :meth:`open_groups` (the default: nothing)."""
 
     @abstractmethod
     def close(self) -> None:

@@ -16,7 +16,7 @@ import torch
 
 from afd_core import config as _config
 from afd_core.config import AFDConfig
-from afd_core.connector.base import AFDConnectorBase, ReadyHook
+from afd_core.connector.base import AFDConnectorBase
 from afd_core.errors import AFDConfigError, AFDRegistryError
 from afd_core.metadata import AFDPayloadSpec
 from afd_core.topology import AFDTopology
@@ -133,17 +133,14 @@ def create_connector(
     device: torch.device | str | None = None,
     topology: AFDTopology | None = None,
     role_agreement: Mapping[str, Any] | None = None,
-    ready_hook: ReadyHook | None = None,
     model_identity: Mapping[str, Any] | None = None,
 ) -> AFDConnectorBase:
     """Construct (not initialise) the connector ``config.connector`` for ``role_rank``
-    (``role_agreement``, ``ready_hook`` and ``model_identity``: see :class:`AFDConnectorBase`)."""
+    (``role_agreement`` and ``model_identity``: see :class:`AFDConnectorBase`)."""
     cls = get_connector_class(config.connector)
     kwargs: dict[str, Any] = {}
     if role_agreement is not None:
         kwargs["role_agreement"] = role_agreement
-    if ready_hook is not None:
-        kwargs["ready_hook"] = ready_hook
     if model_identity is not None:
         kwargs["model_identity"] = model_identity
     return cls(

@@ -3,8 +3,10 @@
 :class:`AFDSessionConnector` implements ``init`` / ``close`` / ``abort`` / failure handling /
 ``publish_startup_failure`` once for every transport: rendezvous store (from the transport),
 round claim, handshake (config, model identity, ``num_stages``, ``role_agreement``, the
-transport's protocol version), the transport's own setup, the ready hook, the ready barrier,
-liveness (FFN ranks beat, Attention ranks watch their FFN peers) and the goodbye at ``close``.
+transport's protocol version), the transport's own setup (``open_groups``), the ready barrier and
+liveness (``confirm_ready``: FFN ranks beat, Attention ranks watch their FFN peers) and the goodbye
+at ``close``. ``init`` is both steps; a caller that binds to the groups (afd-runtime's Mega) runs
+them apart and binds in between.
 
 A transport implements:
 
@@ -28,13 +30,13 @@ from typing import Any, ClassVar, NoReturn
 import torch
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector.base import AFDConnectorBase, ReadyHook
+from afd_core.connector.base import AFDConnectorBase
 from afd_core.errors import (
     AFDConfigError,
     AFDConnectorError,
+    AFDNotInitializedError,
     AFDPeerError,
     AFDRankServedError,
-    AFDReadyHookError,
     AFDStartupError,
     AFDTimeoutError,
 )
@@ -65,7 +67,6 @@ class AFDSessionConnector(AFDConnectorBase):
         num_layers: int,
         device: torch.device | str | None = None,
         role_agreement: Mapping[str, Any] | None = None,
-        ready_hook: ReadyHook | None = None,
         model_identity: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -76,12 +77,13 @@ class AFDSessionConnector(AFDConnectorBase):
             num_layers=num_layers,
             device=device,
             role_agreement=role_agreement,
-            ready_hook=ready_hook,
             model_identity=model_identity,
         )
         self._session: AFDSession | None = None
+        self._opened = False  # open_groups() succeeded (confirm_ready() may follow)
         self._initialized = False
         self._generation = 0
+        self._deadline = 0.0
 
     # -- transport hooks -------------------------------------------------------------------
 
@@ -139,13 +141,26 @@ class AFDSessionConnector(AFDConnectorBase):
     # -- lifecycle -------------------------------------------------------------------------
 
     def init(self) -> None:
+        """The whole start: :meth:`open_groups`, then :meth:`confirm_ready`."""
         if self._initialized:
+            return
+        self.open_groups()
+        self.confirm_ready()
+
+    def open_groups(self) -> None:
+        """Start up to the ready barrier: rendezvous, round claim, handshake, the transport's
+        groups. The peers are not told this rank is ready yet: a compute that binds to the
+        groups (:meth:`data_process_group`, :meth:`group_info`) binds now, then the caller runs
+        :meth:`confirm_ready`, or :meth:`abort` naming the failed stage (every peer's start then
+        fails naming this rank, the stage and the reason). Idempotent; all waits share the
+        start-up deadline (``startup_timeout_s`` from here)."""
+        if self._initialized or self._opened:
             return
         self._clear_failure()
         stage = "connect"
         startup_s = self.config.startup_timeout_s
         try:
-            deadline = time.monotonic() + startup_s
+            deadline = self._deadline = time.monotonic() + startup_s
             root = self._rendezvous(self.config, self.world_rank, startup_s)
             session = self._session = AFDSession(
                 root,
@@ -164,19 +179,29 @@ class AFDSessionConnector(AFDConnectorBase):
             session.handshake(self.handshake_fields(), deadline)
             stage = "process_groups"
             self._open_transport(session, deadline)
-            if self.ready_hook is not None:
-                stage = "ready_hook"
-                try:
-                    self.ready_hook(self)
-                except Exception as hook_err:
-                    raise AFDReadyHookError(
-                        f"AFD world rank {self.world_rank} ready hook failed: "
-                        f"{type(hook_err).__name__}: {hook_err}"
-                    ) from hook_err
-            stage = "ready"
+        except BaseException as err:
+            self._start_failed(err, stage)
+        self._opened = True
+
+    def confirm_ready(self) -> None:
+        """Finish the start after :meth:`open_groups`: the ready barrier (every rank of the
+        world), then liveness (FFN ranks beat, Attention ranks watch their FFN peers).
+
+        Raises:
+            AFDNotInitializedError: :meth:`open_groups` did not run (or failed).
+        """
+        if self._initialized:
+            return
+        session = self._session
+        if not self._opened or session is None:
+            raise AFDNotInitializedError(
+                f"AFD {self.label} world rank {self.world_rank}: confirm_ready() before "
+                "open_groups()"
+            )
+        try:
             is_attention = self.role is AFDRole.ATTENTION
             session.ready(
-                deadline,
+                self._deadline,
                 beat=not is_attention,
                 watch=self.topology.peers_of(AFDRole.ATTENTION, self.role_rank)
                 if is_attention
@@ -184,26 +209,29 @@ class AFDSessionConnector(AFDConnectorBase):
                 on_lost=self._on_lost(session),
             )
         except BaseException as err:
-            # A rank served by another live process must not publish into that process's round.
-            if self._session is not None and not isinstance(
-                err, AFDStartupError | AFDPeerError | AFDRankServedError
-            ):
-                self._session.publish_failure(stage, f"{type(err).__name__}: {err}")
-            self._shutdown(goodbye=False)
-            # Exit requests (KeyboardInterrupt, SystemExit) and cancellation keep their type:
-            # the process is stopping, which is not a peer's failure.
-            if not isinstance(err, Exception) or isinstance(
-                err, AFDConnectorError | AFDConfigError
-            ):
-                raise
-            text = str(err).lower()
-            if isinstance(err, TimeoutError) or "timeout" in text or "timed out" in text:
-                raise AFDTimeoutError(
-                    f"AFD {self.label} init of world rank {self.world_rank} timed out in stage "
-                    f"{stage!r}: {err}"
-                ) from err
-            raise AFDPeerError(None, stage, f"{type(err).__name__}: {err}") from err
+            self._start_failed(err, "ready")
         self._initialized = True
+
+    def _start_failed(self, err: BaseException, stage: str) -> NoReturn:
+        """Publish this rank's failure in ``stage`` (unless a peer's or another live process's
+        made it), tear down, raise ``err`` or its connector-error form."""
+        # A rank served by another live process must not publish into that process's round.
+        if self._session is not None and not isinstance(
+            err, AFDStartupError | AFDPeerError | AFDRankServedError
+        ):
+            self._session.publish_failure(stage, f"{type(err).__name__}: {err}")
+        self._shutdown(goodbye=False)
+        # Exit requests (KeyboardInterrupt, SystemExit) and cancellation keep their type:
+        # the process is stopping, which is not a peer's failure.
+        if not isinstance(err, Exception) or isinstance(err, AFDConnectorError | AFDConfigError):
+            raise err
+        text = str(err).lower()
+        if isinstance(err, TimeoutError) or "timeout" in text or "timed out" in text:
+            raise AFDTimeoutError(
+                f"AFD {self.label} init of world rank {self.world_rank} timed out in stage "
+                f"{stage!r}: {err}"
+            ) from err
+        raise AFDPeerError(None, stage, f"{type(err).__name__}: {err}") from err
 
     def _on_lost(self, session: AFDSession) -> Any:
         def lost(failure: AFDPeerError) -> None:
@@ -222,7 +250,7 @@ class AFDSessionConnector(AFDConnectorBase):
         if session is not None:
             session.close(goodbye=goodbye)
         self._close_transport()
-        self._initialized = False
+        self._opened = self._initialized = False
 
     def abort(self, op: str, reason: str) -> None:
         """Publish this rank's failure (``op``, ``reason``), then close without a goodbye: the

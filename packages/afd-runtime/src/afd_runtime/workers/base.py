@@ -34,7 +34,6 @@ import torch
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import (
     AFDConnectorBase,
-    ReadyHook,
     create_connector,
     get_connector_class,
 )
@@ -110,15 +109,14 @@ def build_connector(
     device: torch.device | str | None,
     *,
     role_agreement: Mapping[str, Any] | None = None,
-    ready_hook: ReadyHook | None = None,
     model_identity: Mapping[str, Any] | None = None,
 ) -> AFDConnectorBase:
     """The connector ``cfg.connector`` for this role rank (constructed, not initialised).
 
     ``num_layers`` is ``max(layers) + 1``: the connector's layer index is the decoder layer
-    index, which both roles derive from the same checkpoint config. ``role_agreement`` and
-    ``ready_hook``: see :class:`afd_core.connector.AFDConnectorBase` (the FFN role's quantized
-    compute uses them); ``model_identity``: what both roles serve
+    index, which both roles derive from the same checkpoint config. ``role_agreement``: see
+    :class:`afd_core.connector.AFDConnectorBase` (the FFN role's quantized compute's geometry);
+    ``model_identity``: what both roles serve
     (:func:`afd_runtime.identity.model_identity`), compared across every rank at init."""
     return create_connector(
         cfg,
@@ -127,7 +125,6 @@ def build_connector(
         num_layers=max(layers) + 1,
         device=device,
         role_agreement=role_agreement,
-        ready_hook=ready_hook,
         model_identity=model_identity,
     )
 
@@ -346,11 +343,9 @@ class AFDFFNWorkerMixin:
         layers = tuple(model.afd_moe_layer_indices)
         spec = model.afd_payload_spec
         agreement = None
-        hook = None
         if isinstance(compute, QuantizedFFNCompute):
             compute.report()
             agreement = compute.role_agreement()
-            hook = compute.bind if compute.needs_bind else None
         identity = model_identity(self.vllm_config)
         self._afd_config = cfg
         self._afd_service = FFNService(
@@ -365,7 +360,6 @@ class AFDFFNWorkerMixin:
                 layers,
                 device,
                 role_agreement=agreement,
-                ready_hook=hook,
                 model_identity=identity,
             ),
         )

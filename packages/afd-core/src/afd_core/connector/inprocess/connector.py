@@ -4,7 +4,7 @@ Like httpx's ``MockTransport``: the layers above a connector (afd-remote's proxi
 FFN service and Attention link) are tested on it without gloo and without spawned processes, and
 it proves the contract: everything but byte movement is the shared session
 (:class:`~afd_core.connector.session_base.AFDSessionConnector`: round claim, handshake with the
-same :class:`AFDHandshakeError` as over P2P, ready hook, liveness, failure publication, goodbye),
+same :class:`AFDHandshakeError` as over P2P, ``open_groups``/``confirm_ready``, liveness, failure publication, goodbye),
 here on an in-memory ``torch.distributed.HashStore``.
 
 A world is the *hub* of ``(config.host, config.port)`` in this process (nothing listens on that

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from afd_core.buffers import RecvBufferPool
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector.base import AFDGroupInfo, AFDTransferHandle, ReadyHook
+from afd_core.connector.base import AFDGroupInfo, AFDTransferHandle
 from afd_core.connector.p2p.groups import _LONG_WAIT, backend_for_device, make_process_group
 from afd_core.connector.p2p.recv_ahead import (
     RECV_AHEAD_BYTES,
@@ -75,7 +75,6 @@ class _P2PLifecycle(AFDSessionConnector):
         num_layers: int,
         device: torch.device | str | None = None,
         role_agreement: Mapping[str, Any] | None = None,
-        ready_hook: ReadyHook | None = None,
         model_identity: Mapping[str, Any] | None = None,
     ) -> None:
         super().__init__(
@@ -86,7 +85,6 @@ class _P2PLifecycle(AFDSessionConnector):
             num_layers=num_layers,
             device=device,
             role_agreement=role_agreement,
-            ready_hook=ready_hook,
             model_identity=model_identity,
         )
         self.backend = backend_for_device(self.device)
@@ -173,9 +171,9 @@ class _P2PLifecycle(AFDSessionConnector):
         return self._served
 
     def group_info(self) -> AFDGroupInfo:
-        """The data group of this initialisation (valid from the ready hook on).
+        """The data group of this initialisation (valid from ``open_groups`` on).
 
-        Name ``afd-p2p/<host>:<port>/g<generation>/data``: unique per store server and
+        Name ``afd-p2p/<host>:<port>/g<generation>/data``: a label unique per store server and
         initialisation of this world rank."""
         if self._data_pg is None:
             raise AFDNotInitializedError("AFD P2P connector has no data group (group_info)")
@@ -186,6 +184,12 @@ class _P2PLifecycle(AFDSessionConnector):
             rank=self.world_rank,
             peer_ranks=tuple(peers),
         )
+
+    def data_process_group(self) -> Any:
+        """The torch.distributed group the data plane runs on (valid from ``open_groups`` on)."""
+        if self._data_pg is None:
+            raise AFDNotInitializedError("AFD P2P connector has no data group (data_process_group)")
+        return self._data_pg
 
     # -- transport lifecycle (the session runs the rest) ----------------------------------
 
