@@ -128,3 +128,39 @@ def test_all_to_all(tiny: ModelShape, device: HardwareProfile) -> None:
 def test_lm_head(tiny: ModelShape, device: HardwareProfile) -> None:
     # 100 * 64 = 6400 params * 2 B = 12800 B -> 128 ns.
     assert lm_head_time(tiny, device, batch=1).seconds == pytest.approx(128e-9)
+
+
+def test_linear_attention_reads_its_state_not_the_context(device: HardwareProfile) -> None:
+    from afd_plan.shape import AttentionShape
+
+    att = AttentionShape(
+        kind="linear",
+        num_heads=4,
+        linear_k_heads=2,
+        linear_v_heads=2,
+        linear_k_dim=8,
+        linear_v_dim=8,
+        conv_kernel=4,
+    )
+    shape = _tiny_shape()
+    # params (H=64, Dk=16, Dv=16): 64*48 + 64*16 + 2*64*2 + 48*4 + 16*64
+    # = 3072 + 1024 + 256 + 192 + 1024 = 5568 -> 11136 B.
+    assert att.weight_params(64) == 5568
+    # state: 2*8*8*4 = 512 B recurrent + 48 * 3 * 2 = 288 B conv = 800 B, read and written:
+    # 2 seqs * 1600 B = 3200 B; total 14336 B -> 143.36 ns at any context.
+    short = attention_time(shape, W, device, batch=2, context=10, att=att)
+    long = attention_time(shape, W, device, batch=2, context=100_000, att=att)
+    assert short.seconds == long.seconds == pytest.approx(143.36e-9)
+    assert short.flops == 2 * (2 * 5568 + 6 * 2 * 8 * 8)
+
+
+def _tiny_shape() -> ModelShape:
+    import sys
+    from pathlib import Path
+
+    from afd_plan.shape import shape_from_config
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from afd_plan_inputs import TINY_QWEN3
+
+    return shape_from_config(TINY_QWEN3)

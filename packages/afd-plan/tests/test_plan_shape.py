@@ -122,3 +122,54 @@ def test_missing_file_and_bad_json(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text("{")
     with pytest.raises(AFDPlanError, match="readable JSON"):
         load_model_shape(tmp_path)
+
+
+#: Qwen3.5-35B-A3B's text_config (public config.json), nested as in the checkpoint.
+QWEN3_5_35B = {
+    "model_type": "qwen3_5_moe",
+    "text_config": {
+        "model_type": "qwen3_5_moe_text",
+        "hidden_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 2,
+        "head_dim": 256,
+        "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128,
+        "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4,
+        "num_experts": 256,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 512,
+        "shared_expert_intermediate_size": 512,
+        "full_attention_interval": 4,
+        "vocab_size": 248320,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+
+def test_qwen3_5_moe_layout_and_35b_parameters() -> None:
+    s = shape_from_config(QWEN3_5_35B)
+    assert s.family == "qwen3_5_moe" and s.num_moe_layers == 40
+    assert s.linear_layers == tuple(i for i in range(40) if (i + 1) % 4)  # 30 linear, 10 full
+    full, linear = s.attention, s.linear_attention
+    assert linear is not None and s.attention_at(3) is full and s.attention_at(0) is linear
+    # full (gated q): 2048*16*256*2 + 2*2048*2*256 + 16*256*2048 = 27,262,976
+    assert full.weight_params(2048) == 27_262_976
+    # linear: Dk = 2048, Dv = 4096: 2048*8192 + 2048*4096 + 2*2048*32 + 8192*4 + 4096*2048
+    assert linear.weight_params(2048) == 2048 * 8192 + 2048 * 4096 + 131072 + 32768 + 4096 * 2048
+    assert linear.kv_elems_per_token() == 0
+    # state: 32 * 128 * 128 * 4 B + 8192 * 3 * 2 B
+    assert linear.state_bytes(2) == 2_097_152 + 49_152
+    # Published: 35B total (the text model here; the vision encoder is left out).
+    assert 34.3e9 < _total_params(QWEN3_5_35B) < 35.0e9
+
+
+def test_qwen3_5_layer_types_win_and_are_checked() -> None:
+    text = dict(QWEN3_5_35B["text_config"])  # type: ignore[call-overload]
+    s = shape_from_config({**text, "num_hidden_layers": 2, "layer_types": ["full_attention"] * 2})
+    assert s.linear_layers == ()
+    with pytest.raises(AFDPlanError, match="layer_types"):
+        shape_from_config({**text, "num_hidden_layers": 2, "layer_types": ["sliding"] * 2})

@@ -30,7 +30,7 @@ import math
 from dataclasses import dataclass
 
 from afd_plan.hardware import HardwareProfile
-from afd_plan.shape import ModelShape
+from afd_plan.shape import AttentionShape, ModelShape
 from afd_plan.workload import Workload, gemm_dtype, weight_bytes
 
 __all__ = [
@@ -79,21 +79,28 @@ def roofline(
 
 
 def attention_time(
-    shape: ModelShape, work: Workload, hw: HardwareProfile, batch: float, context: float
+    shape: ModelShape,
+    work: Workload,
+    hw: HardwareProfile,
+    batch: float,
+    context: float,
+    att: AttentionShape | None = None,
 ) -> Term:
-    """One layer's attention (projections + core) at ``batch`` sequences of ``context`` tokens.
+    """One layer's attention (projections + core) at ``batch`` sequences of ``context`` tokens;
+    ``att`` defaults to the model's (full) attention.
 
     bytes = attention weights (``dense_quant``) + ``batch * (attended * kv_elems * kv_bytes +
-    context * index_bytes)``; FLOPs = ``batch * flops_per_token(context)``; GEMMs in the dense
-    scheme's dtype (the core products run in the same dtype, a simplification).
+    context * index_bytes + 2 * state_bytes)`` (a linear-attention state is read and written);
+    FLOPs = ``batch * flops_per_token(context)``; GEMMs in the dense scheme's dtype (the core
+    products run in the same dtype, a simplification).
     """
     if batch <= 0:
         return ZERO
-    att = shape.attention
+    att = shape.attention if att is None else att
     h = shape.hidden_size
     weights = att.weight_params(h) * weight_bytes(work.dense_quant, shape)
     kv = att.attended_tokens(context) * att.kv_elems_per_token() * work.kv_bytes(shape)
-    kv += context * att.index_bytes_per_token()
+    kv += context * att.index_bytes_per_token() + 2 * att.state_bytes(shape.dtype_bytes)
     flops = batch * att.flops_per_token(h, context)
     return roofline(weights, flops, hw, gemm_dtype(work.dense_quant, shape), kv_bytes=batch * kv)
 

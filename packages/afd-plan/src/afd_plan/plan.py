@@ -18,7 +18,8 @@ not free: each micro-batch re-reads the weights, so a weight-bound ``t_f(b/S)`` 
 ``t_f(b)`` and ``S * t_f`` grows with ``S``.
 
 Dense layers run attention + MLP on the Attention rank: ``S * (t_a + t_mlp)`` at ``b / S``; the
-LM head ``S * t_head(b / S)``. ``TPOT = L_dense * dense + L_moe * P + head``.
+LM head ``S * t_head(b / S)``. ``TPOT = L_dense * dense + L_moe * P + head``, each layer priced
+with its own attention (Qwen3.5-MoE mixes full and linear attention layers).
 
 **Colocated baseline** (``N`` devices, attention data parallel, experts split ``E / N`` per
 device, dispatch and combine all-to-all per MoE layer, as vLLM's expert parallelism): per
@@ -30,7 +31,8 @@ micro-batch ``c = t_a + t_experts(N * b / S tokens over N ranks)`` and ``m = 2 *
 
 **Memory** (per device, at the full context ``input_len + output_len``): Attention rank: the
 embeddings and LM head, every layer's attention weights, the dense MLPs and shared experts, the
-KV cache ``b * context * L * (kv_elems * kv_bytes + index_bytes)`` and buffers (fp32 logits,
+KV cache ``b * sum over layers (context * (kv_elems * kv_bytes + index_bytes) + state_bytes)``
+and buffers (fp32 logits,
 send and receive buffers); FFN rank: ``ceil(E / F) * L_moe`` experts and its receive / reply /
 intermediate buffers; colocated: both on one device. A role over the profile's usable memory is
 refused (:class:`AFDPlanMemoryError`, naming the role and the bytes).
@@ -165,16 +167,23 @@ def memory_per_role(
     shape: ModelShape, work: Workload, cand: Candidate
 ) -> dict[str, dict[str, float]]:
     """Bytes per device by role and part (formulas in the module docstring)."""
-    h, L = shape.hidden_size, shape.num_layers
+    h = shape.hidden_size
     wd = weight_bytes(work.dense_quant, shape)
     we = weight_bytes(cand.expert_quant, shape)
-    att = shape.attention
     b = cand.batch
-    kv_per_token = att.kv_elems_per_token() * work.kv_bytes(shape) + att.index_bytes_per_token()
+    kv_per_seq = sum(
+        n
+        * (
+            work.max_context
+            * (a.kv_elems_per_token() * work.kv_bytes(shape) + a.index_bytes_per_token())
+            + a.state_bytes(shape.dtype_bytes)
+        )
+        for (a, _), n in shape.layer_groups().items()
+    )
     peers = cand.num_ffn if not cand.colocated else cand.num_attention
     attention = {
         "embeddings": float(shape.embedding_params() * shape.dtype_bytes),
-        "attention_weights": float(L * att.weight_params(h) * wd),
+        "attention_weights": float(shape.attention_params() * wd),
         "dense_mlp_and_shared": float(
             (
                 shape.num_dense_layers * shape.dense_mlp_params()
@@ -182,7 +191,7 @@ def memory_per_role(
             )
             * wd
         ),
-        "kv_cache": float(b * work.max_context * L * kv_per_token),
+        "kv_cache": float(b * kv_per_seq),
         "buffers": float(
             b * shape.vocab_size * 4 + 2 * b * fanout(shape, peers) * h * shape.dtype_bytes
         ),
@@ -225,43 +234,20 @@ def predict(shape: ModelShape, work: Workload, hw: HardwareProfile, cand: Candid
     memory = check_memory(shape, work, hw, cand)
     s = cand.stages
     mb = cand.batch / s
-    ctx = work.mean_context
-    t_attn = attention_time(shape, work, hw, mb, ctx)
-    shared = mlp_time(shape, work, hw, mb, shape.shared_intermediate_size)
-    dense = attention_time(shape, work, hw, mb, ctx) + mlp_time(
-        shape, work, hw, mb, shape.dense_intermediate_size
-    )
-    head = lm_head_time(shape, hw, mb)
-    t_a = t_attn + shared
-    if cand.colocated:
-        n = cand.num_attention
-        t_e = expert_time(shape, work, hw, n * mb, n, cand.expert_quant)
-        a2a = all_to_all_time(shape, hw, mb, n)
-        comm = a2a + a2a
-        c = t_a.seconds + t_e.seconds
-        busy = {
-            "compute": s * c,
-            "link": s * max(comm.seconds - (2 * hw.link_latency if n > 1 else 0.0), 0.0),
-        }
-        chain = c + comm.seconds
-        period = max(*busy.values(), chain)
-        xfer = a2a
-        role_terms = {"attention": t_a, "experts": t_e}
-    else:
-        a, f = cand.num_attention, cand.num_ffn
-        t_e = expert_time(shape, work, hw, a * mb, f, cand.expert_quant)
-        xfer = transfer_time(shape, hw, mb, a, f)
-        occupancy = xfer.seconds - hw.link_latency
-        busy = {"attention": s * t_a.seconds, "ffn": s * t_e.seconds, "link": s * occupancy}
-        chain = t_a.seconds + t_e.seconds + 2 * xfer.seconds
-        period = max(*busy.values(), chain)
-        role_terms = {"attention": t_a, "ffn": t_e}
-    binding = _binding(busy, chain, s, role_terms, xfer)
-    tpot = (
-        shape.num_dense_layers * s * dense.seconds
-        + shape.num_moe_layers * period
-        + s * head.seconds
-    )
+    dense_mlp = mlp_time(shape, work, hw, mb, shape.dense_intermediate_size)
+    tpot = s * lm_head_time(shape, hw, mb).seconds
+    main: tuple[float, LayerTerms] | None = None
+    for (att, is_moe), count in shape.layer_groups().items():
+        t_attn = attention_time(shape, work, hw, mb, work.mean_context, att)
+        if not is_moe:
+            tpot += count * s * (t_attn + dense_mlp).seconds
+            continue
+        terms = _moe_layer(shape, work, hw, cand, t_attn)
+        tpot += count * terms.period
+        if main is None or count * terms.period > main[0]:
+            main = (count * terms.period, terms)
+    assert main is not None  # ModelShape guarantees a MoE layer
+    moe_layer = main[1]
     served = cand.num_attention * cand.batch
     return Prediction(
         candidate=cand,
@@ -269,9 +255,41 @@ def predict(shape: ModelShape, work: Workload, hw: HardwareProfile, cand: Candid
         tokens_per_s=served / tpot,
         tokens_per_s_per_device=served / tpot / cand.devices,
         memory=memory,
-        moe_layer=LayerTerms(t_a, t_e, xfer, period, binding),
-        binding=binding,
+        moe_layer=moe_layer,
+        binding=moe_layer.binding,
     )
+
+
+def _moe_layer(
+    shape: ModelShape, work: Workload, hw: HardwareProfile, cand: Candidate, t_attn: Term
+) -> LayerTerms:
+    """One MoE layer's terms at ``b / S`` and its period (formulas in the module docstring)."""
+    s = cand.stages
+    mb = cand.batch / s
+    t_a = t_attn + mlp_time(shape, work, hw, mb, shape.shared_intermediate_size)
+    if cand.colocated:
+        n = cand.num_attention
+        t_e = expert_time(shape, work, hw, n * mb, n, cand.expert_quant)
+        a2a = all_to_all_time(shape, hw, mb, n)
+        comm = a2a.seconds * 2
+        c = t_a.seconds + t_e.seconds
+        busy = {
+            "compute": s * c,
+            "link": s * max(comm - (2 * hw.link_latency if n > 1 else 0.0), 0.0),
+        }
+        chain = c + comm
+        xfer = a2a
+        roles = {"attention": t_a, "experts": t_e}
+    else:
+        a, f = cand.num_attention, cand.num_ffn
+        t_e = expert_time(shape, work, hw, a * mb, f, cand.expert_quant)
+        xfer = transfer_time(shape, hw, mb, a, f)
+        occupancy = xfer.seconds - hw.link_latency
+        busy = {"attention": s * t_a.seconds, "ffn": s * t_e.seconds, "link": s * occupancy}
+        chain = t_a.seconds + t_e.seconds + 2 * xfer.seconds
+        roles = {"attention": t_a, "ffn": t_e}
+    period = max(*busy.values(), chain)
+    return LayerTerms(t_a, t_e, xfer, period, _binding(busy, chain, s, roles, xfer))
 
 
 def _binding(

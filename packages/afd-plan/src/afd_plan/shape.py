@@ -1,7 +1,8 @@
 """The shape of a MoE model, read from a Hugging Face ``config.json`` (no transformers, no torch).
 
-Supported ``model_type`` values (:data:`FAMILIES`): ``qwen3_moe``, ``deepseek_v2``,
-``deepseek_v3`` and ``deepseek_v32`` (DeepSeek-V3.2: V3's shape plus the DSA lightning indexer).
+Supported ``model_type`` values (:data:`FAMILIES`): ``qwen3_moe``, ``qwen3_5_moe`` (its
+``text_config``, or a ``qwen3_5_moe_text`` config), ``deepseek_v2``, ``deepseek_v3`` and
+``deepseek_v32`` (DeepSeek-V3.2: V3's shape plus the DSA lightning indexer).
 
 Which layers are MoE layers (the rule each family's modelling code applies):
 
@@ -11,12 +12,20 @@ Which layers are MoE layers (the rule each family's modelling code applies):
   (one shared MLP of ``n_shared_experts * moe_intermediate_size``).
 * Qwen3-MoE: layer ``i`` is MoE iff ``num_experts > 0``, ``i not in mlp_only_layers`` and
   ``(i + 1) % decoder_sparse_step == 0``; no shared experts.
+* Qwen3.5-MoE: every layer is MoE, with one shared expert of
+  ``shared_expert_intermediate_size``; ``layer_types`` (or, without it, every
+  ``full_attention_interval``-th layer, default 4) says which layers run full (gated GQA)
+  attention; the others run linear attention (Gated DeltaNet), whose decode state does not grow
+  with the context.
 
 Parameter counts (per layer; ``H`` hidden, ``I`` an MLP's intermediate size):
 
 * a gated MLP (gate, up, down): ``3 * H * I``;
-* GQA attention: ``H * heads * head_dim`` (q) ``+ 2 * H * kv_heads * head_dim`` (k, v)
-  ``+ heads * head_dim * H`` (o);
+* GQA attention: ``H * heads * head_dim`` (q; twice that with Qwen3.5's output gate)
+  ``+ 2 * H * kv_heads * head_dim`` (k, v) ``+ heads * head_dim * H`` (o);
+* linear attention (Gated DeltaNet; key dim ``Dk = k_heads * dk``, value dim
+  ``Dv = v_heads * dv``): ``H * (2 Dk + Dv)`` (qkv) ``+ H * Dv`` (z) ``+ 2 * H * v_heads``
+  (b, a) ``+ (2 Dk + Dv) * conv_kernel`` (conv) ``+ Dv * H`` (out);
 * MLA attention: ``H * q_lora + q_lora * heads * (nope + rope)`` (or ``H * heads * (nope + rope)``
   without ``q_lora_rank``) ``+ H * (kv_lora + rope)`` (kv_a) ``+ kv_lora * heads * (nope + v)``
   (kv_b) ``+ heads * v * H`` (o); DSA adds the indexer ``q_lora * idx_heads * idx_dim`` (wq_b)
@@ -30,6 +39,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Final
 
@@ -37,7 +47,13 @@ from afd_plan.errors import AFDPlanError
 
 __all__ = ["DTYPE_BYTES", "FAMILIES", "AttentionShape", "ModelShape", "load_model_shape"]
 
-FAMILIES: Final[tuple[str, ...]] = ("qwen3_moe", "deepseek_v2", "deepseek_v3", "deepseek_v32")
+FAMILIES: Final[tuple[str, ...]] = (
+    "qwen3_moe",
+    "qwen3_5_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "deepseek_v32",
+)
 #: Bytes per element of the ``torch_dtype`` values a checkpoint may declare.
 DTYPE_BYTES: Final[dict[str, int]] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -46,11 +62,15 @@ DTYPE_BYTES: Final[dict[str, int]] = {"float32": 4, "bfloat16": 2, "float16": 2}
 class AttentionShape:
     """One attention layer's shape.
 
-    ``kind`` is ``"gqa"`` (grouped-query attention: ``kv_heads`` keys/values of ``head_dim``) or
+    ``kind`` is ``"gqa"`` (grouped-query attention: ``kv_heads`` keys/values of ``head_dim``;
+    ``gated_query``: the query projection also yields an output gate, as in Qwen3.5),
     ``"mla"`` (multi-head latent attention: a compressed KV of ``kv_lora_rank + qk_rope_head_dim``
-    per token, decoded in the absorbed form). ``index_topk > 0`` is DeepSeek-V3.2's sparse
-    attention (DSA): a lightning indexer with ``index_n_heads`` heads of ``index_head_dim`` scores
-    every cached token, and the main attention reads only the ``index_topk`` best tokens.
+    per token, decoded in the absorbed form) or ``"linear"`` (Gated DeltaNet: a recurrent state
+    of ``linear_v_heads * linear_k_dim * linear_v_dim`` FP32 values per sequence, read and
+    written once per decode step, plus a short convolution state). ``index_topk > 0`` is
+    DeepSeek-V3.2's sparse attention (DSA): a lightning indexer with ``index_n_heads`` heads of
+    ``index_head_dim`` scores every cached token, and the main attention reads only the
+    ``index_topk`` best tokens.
     """
 
     kind: str
@@ -65,14 +85,25 @@ class AttentionShape:
     index_topk: int = 0
     index_n_heads: int = 0
     index_head_dim: int = 0
+    gated_query: bool = False
+    linear_k_heads: int = 0
+    linear_v_heads: int = 0
+    linear_k_dim: int = 0
+    linear_v_dim: int = 0
+    conv_kernel: int = 0
 
     def weight_params(self, hidden: int) -> int:
         """Parameters of one layer's attention projections (formulas in the module docstring)."""
         h = hidden
+        if self.kind == "linear":
+            dk = self.linear_k_heads * self.linear_k_dim
+            dv = self.linear_v_heads * self.linear_v_dim
+            conv = (2 * dk + dv) * self.conv_kernel
+            return h * (2 * dk + dv) + h * dv + 2 * h * self.linear_v_heads + conv + dv * h
         if self.kind == "gqa":
-            return (
-                2 * h * self.num_heads * self.head_dim + 2 * h * self.num_kv_heads * self.head_dim
-            )
+            q = h * self.num_heads * self.head_dim * (2 if self.gated_query else 1)
+            o = self.num_heads * self.head_dim * h
+            return q + o + 2 * h * self.num_kv_heads * self.head_dim
         qk = self.qk_nope_head_dim + self.qk_rope_head_dim
         q = (
             h * self.q_lora_rank + self.q_lora_rank * self.num_heads * qk
@@ -95,7 +126,10 @@ class AttentionShape:
     def kv_elems_per_token(self) -> int:
         """KV-cache elements one token keeps per layer: ``2 * kv_heads * head_dim`` (GQA) or
         ``kv_lora_rank + qk_rope_head_dim`` (MLA). The DSA indexer keys are
-        :meth:`index_bytes_per_token`, stored apart."""
+        :meth:`index_bytes_per_token`, stored apart; linear attention keeps none (its state is
+        :meth:`state_bytes`)."""
+        if self.kind == "linear":
+            return 0
         if self.kind == "gqa":
             return 2 * self.num_kv_heads * self.head_dim
         return self.kv_lora_rank + self.qk_rope_head_dim
@@ -104,6 +138,17 @@ class AttentionShape:
         """DSA indexer key bytes per token per layer: ``index_head_dim`` FP8 values plus one FP32
         scale (DeepSeek-V3.2's indexer cache); 0 without DSA."""
         return self.index_head_dim + 4 if self.index_topk else 0
+
+    def state_bytes(self, dtype_bytes: int) -> int:
+        """Linear attention's per-sequence decode state in one layer: the FP32 recurrent state
+        ``v_heads * dk * dv * 4`` plus the convolution state ``(2 Dk + Dv) * (kernel - 1) *
+        dtype_bytes``; 0 for the other kinds."""
+        if self.kind != "linear":
+            return 0
+        dk = self.linear_k_heads * self.linear_k_dim
+        dv = self.linear_v_heads * self.linear_v_dim
+        recurrent = self.linear_v_heads * self.linear_k_dim * self.linear_v_dim * 4
+        return recurrent + (2 * dk + dv) * (self.conv_kernel - 1) * dtype_bytes
 
     def attended_tokens(self, context: float) -> float:
         """Tokens the main attention reads at ``context`` cached tokens: all of them, or
@@ -115,8 +160,11 @@ class AttentionShape:
         ``2 * weight_params`` (projections) plus the score and value products:
         GQA ``4 * heads * head_dim * context``; MLA (absorbed)
         ``2 * heads * (2 * kv_lora + rope) * attended``; DSA adds the indexer's
-        ``2 * idx_heads * idx_dim * context``."""
+        ``2 * idx_heads * idx_dim * context``; linear attention ``6 * v_heads * dk * dv`` (decay,
+        delta-rule update and read-out of the state), whatever the context."""
         proj = 2.0 * self.weight_params(hidden)
+        if self.kind == "linear":
+            return proj + 6.0 * self.linear_v_heads * self.linear_k_dim * self.linear_v_dim
         if self.kind == "gqa":
             return proj + 4.0 * self.num_heads * self.head_dim * context
         attended = self.attended_tokens(context)
@@ -149,6 +197,9 @@ class ModelShape:
     vocab_size: int
     tie_word_embeddings: bool = False
     dtype: str = "bfloat16"
+    #: Layers running ``linear_attention`` instead of ``attention`` (Qwen3.5-MoE); else empty.
+    linear_layers: tuple[int, ...] = ()
+    linear_attention: AttentionShape | None = None
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -159,6 +210,29 @@ class ModelShape:
             raise AFDPlanError("moe_layers", self.moe_layers, "at least one MoE layer")
         if self.dtype not in DTYPE_BYTES:
             raise AFDPlanError("torch_dtype", self.dtype, f"one of {', '.join(DTYPE_BYTES)}")
+
+    def attention_at(self, layer: int) -> AttentionShape:
+        """The attention of layer ``layer``."""
+        if layer in self.linear_layers and self.linear_attention is not None:
+            return self.linear_attention
+        return self.attention
+
+    @cached_property
+    def _groups(self) -> tuple[tuple[AttentionShape, bool, int], ...]:
+        moe = set(self.moe_layers)
+        groups: dict[tuple[AttentionShape, bool], int] = {}
+        for i in range(self.num_layers):
+            key = (self.attention_at(i), i in moe)
+            groups[key] = groups.get(key, 0) + 1
+        return tuple((att, is_moe, n) for (att, is_moe), n in groups.items())
+
+    def layer_groups(self) -> dict[tuple[AttentionShape, bool], int]:
+        """Layers counted by (attention, is MoE): the cost model prices each group once."""
+        return {(att, is_moe): n for att, is_moe, n in self._groups}
+
+    def attention_params(self) -> int:
+        """Every layer's attention projections."""
+        return sum(n * att.weight_params(self.hidden_size) for att, _, n in self._groups)
 
     @property
     def num_moe_layers(self) -> int:
@@ -214,6 +288,11 @@ def load_model_shape(path: str | Path) -> ModelShape:
 def shape_from_config(cfg: Mapping[str, Any]) -> ModelShape:
     """:func:`load_model_shape` on an already parsed ``config.json`` mapping."""
     family = cfg.get("model_type")
+    if family == "qwen3_5_moe" and isinstance(cfg.get("text_config"), Mapping):
+        cfg = {**cfg["text_config"], "model_type": "qwen3_5_moe"}
+    elif family == "qwen3_5_moe_text":
+        cfg = {**cfg, "model_type": "qwen3_5_moe"}
+        family = "qwen3_5_moe"
     if family not in FAMILIES:
         raise AFDPlanError("config.json:model_type", family, f"one of {', '.join(FAMILIES)}")
     r = _Reader(cfg)
@@ -225,7 +304,31 @@ def shape_from_config(cfg: Mapping[str, Any]) -> ModelShape:
     if dtype not in DTYPE_BYTES:
         raise AFDPlanError("config.json:torch_dtype", dtype, f"one of {', '.join(DTYPE_BYTES)}")
     tie = bool(cfg.get("tie_word_embeddings", False))
-    if family == "qwen3_moe":
+    linear_layers: tuple[int, ...] = ()
+    linear_attn: AttentionShape | None = None
+    if family == "qwen3_5_moe":
+        experts = r.count("num_experts")
+        moe = tuple(range(layers))
+        attn = AttentionShape(
+            kind="gqa",
+            num_heads=heads,
+            num_kv_heads=r.count("num_key_value_heads", default=heads),
+            head_dim=r.count("head_dim", default=hidden // heads),
+            gated_query=True,
+        )
+        linear_attn = AttentionShape(
+            kind="linear",
+            num_heads=heads,
+            linear_k_heads=r.count("linear_num_key_heads"),
+            linear_v_heads=r.count("linear_num_value_heads"),
+            linear_k_dim=r.count("linear_key_head_dim"),
+            linear_v_dim=r.count("linear_value_head_dim"),
+            conv_kernel=r.count("linear_conv_kernel_dim", default=4),
+        )
+        linear_layers = r.linear_layers(layers)
+        shared = r.count("shared_expert_intermediate_size", default=0, minimum=0)
+        dense_i = 0
+    elif family == "qwen3_moe":
         experts = r.count("num_experts")
         step = r.count("decoder_sparse_step", default=1)
         mlp_only = r.int_list("mlp_only_layers", layers)
@@ -288,6 +391,8 @@ def shape_from_config(cfg: Mapping[str, Any]) -> ModelShape:
         vocab_size=vocab,
         tie_word_embeddings=tie,
         dtype=dtype,
+        linear_layers=linear_layers,
+        linear_attention=linear_attn,
     )
 
 
@@ -308,6 +413,26 @@ class _Reader:
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
             raise AFDPlanError(f"config.json:{key}", value, f"an integer >= {minimum}")
         return value
+
+    def linear_layers(self, layers: int) -> tuple[int, ...]:
+        """Qwen3.5's linear-attention layers: ``layer_types`` entries ``"linear_attention"``, or
+        every layer but each ``full_attention_interval``-th (default 4)."""
+        types = self.cfg.get("layer_types")
+        if types is None:
+            interval = self.count("full_attention_interval", default=4)
+            return tuple(i for i in range(layers) if (i + 1) % interval)
+        kinds = ("linear_attention", "full_attention")
+        if (
+            not isinstance(types, list)
+            or len(types) != layers
+            or any(t not in kinds for t in types)
+        ):
+            raise AFDPlanError(
+                "config.json:layer_types",
+                types,
+                f"a list of {layers} entries, each one of {', '.join(kinds)}",
+            )
+        return tuple(i for i, t in enumerate(types) if t == "linear_attention")
 
     def int_list(self, key: str, layers: int) -> tuple[int, ...]:
         value = self.cfg.get(key) or []
