@@ -2,7 +2,9 @@
 
 A fenced block is marked by an HTML comment on the line before its opening fence:
 ``<!-- readme-test: NAME -->`` (run as written by an engine test) or
-``<!-- readme-check: serve-args -->`` (its ``afd serve`` commands are parsed, not run). The
+``<!-- readme-check: serve-args -->`` (its ``afd serve`` commands are parsed, not run) or
+``<!-- readme-check: plan -->`` (its ``afd plan`` command runs in-process on a stand-in config
+and prints the text block that follows). The
 support matrix is the table between ``<!-- support-matrix: begin -->`` and ``... end -->``.
 """
 
@@ -19,7 +21,7 @@ README = ROOT / "README.md"
 _MARKER = re.compile(r"^<!--\s*readme-(test|check):\s*([\w-]+)\s*-->\s*$")
 _FENCE = re.compile(r"^```(\w*)\s*$")
 #: An ``afd`` subcommand invoked on a shell line (also as ``uv run ... afd demo``, ``$(afd tiny)``).
-AFD_COMMAND = re.compile(r"(?<![\w./-])afd\s+(serve|demo|tiny|bench)(?![\w:-])")
+AFD_COMMAND = re.compile(r"(?<![\w./-])afd\s+(serve|demo|tiny|bench|plan)(?![\w:-])")
 
 
 @dataclass(frozen=True)

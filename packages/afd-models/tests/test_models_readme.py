@@ -4,6 +4,8 @@ themselves run in ``test_e2e_models_readme_quickstart.py`` and ``test_faults_mod
 * Every ``afd`` command in a README shell block sits in a block an engine test runs as written,
   or in one whose ``afd serve`` arguments are checked here with ``afd serve``'s own validation.
 * Every ``afd demo/tiny/bench`` in the README's text parses with the CLI's parser.
+* The ``afd plan`` block runs (in-process, DeepSeek-V3's public config standing in for the
+  checkpoint) and prints exactly the sample output the README shows after it.
 * The support matrix and the E2E cases agree: each verified cell names an existing E2E case, and
   each E2E case is named by exactly one verified cell.
 * Relative links of README.md and CONTRIBUTING.md point at files the repository contains.
@@ -35,6 +37,30 @@ from afd_models_readme import (
 TESTS = Path(__file__).resolve().parent
 #: Blocks the engine tests run as written.
 ENGINE_TESTED = {"quickstart", "serving"}
+#: Blocks checked here without an engine.
+CHECKED = {"serve-args", "plan"}
+#: DeepSeek-V3's public config.json (the fields afd plan reads), standing in for the README's
+#: ``/path/to/DeepSeek-V3``.
+DEEPSEEK_V3_CONFIG = {
+    "model_type": "deepseek_v3",
+    "hidden_size": 7168,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_nope_head_dim": 128,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 2048,
+    "intermediate_size": 18432,
+    "first_k_dense_replace": 3,
+    "moe_layer_freq": 1,
+    "num_experts_per_tok": 8,
+    "vocab_size": 129280,
+    "torch_dtype": "bfloat16",
+}
 
 
 def test_the_tested_blocks_exist_and_run_the_documented_commands() -> None:
@@ -62,7 +88,7 @@ def test_every_afd_command_in_a_shell_block_is_run_or_checked() -> None:
         if block.kind == "test":
             assert block.name in ENGINE_TESTED, f"README line {block.line}: {block.name}"
         elif block.kind == "check":
-            assert block.name == "serve-args", f"README line {block.line}: {block.name}"
+            assert block.name in CHECKED, f"README line {block.line}: {block.name}"
         else:
             unmarked.append((block.line, commands))
     assert not unmarked, f"afd commands in README blocks no test runs or checks: {unmarked}"
@@ -110,6 +136,27 @@ def test_inline_afd_commands_parse_with_the_cli() -> None:
             parser.parse_args(words)
         except SystemExit as err:  # argparse's way of refusing
             pytest.fail(f"README's `{command}` does not parse with the afd CLI (exit {err.code})")
+
+
+def test_the_plan_block_prints_the_sample_that_follows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import json
+
+    from afd_models import cli
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # no calibrated profile
+    all_blocks = blocks()
+    index = [i for i, b in enumerate(all_blocks) if b.kind == "check" and b.name == "plan"]
+    assert len(index) == 1, "exactly one 'readme-check: plan' block"
+    block, sample = all_blocks[index[0]], all_blocks[index[0] + 1]
+    assert sample.lang == "text", f"README line {sample.line}: the plan sample is a text block"
+    (command,) = [c for c in shell_commands(block.text) if AFD_COMMAND.search(c)]
+    argv = afd_argv(command)
+    (tmp_path / "config.json").write_text(json.dumps(DEEPSEEK_V3_CONFIG))
+    argv[argv.index("--model") + 1] = str(tmp_path)
+    assert cli.main(argv) == cli.EXIT_OK
+    assert capsys.readouterr().out == sample.text, "README's afd plan sample is stale"
 
 
 def _load(path: Path) -> ModuleType:

@@ -17,6 +17,13 @@ Subcommands:
   (expert-parallel ``1:F`` deployments included, with the bytes they send per step; the
   quantized FFN computes at ``1:1`` unless ``--no-quantized``), and the raw gloo round trip (see
   :mod:`afd_models.demo.bench`); prints tables, writes JSON.
+* ``afd plan`` — afd-plan's capacity planner: for a checkpoint's ``config.json``, a hardware
+  profile (a file or a shipped name; default: this host's calibrated profile if
+  ``~/.cache/afd/profile.json`` exists, else a shipped one, with a note) and a workload, the
+  candidate deployments (A, F, stages, batch per Attention rank, expert quantization) best first
+  by predicted tokens/s per device, with the colocated expert-parallel baseline; ``--json`` the
+  same for machines, ``--plot`` the curve over A:F (needs matplotlib). Exit status 0 with at
+  least one candidate, 1 when none fits memory and the TPOT target, 2 on a usage error.
 * ``afd serve ...`` — ``vllm serve ...`` (see :mod:`afd_models.vllm_cli`); a malformed
   ``--additional-config`` or an invalid ``afd`` mapping exits with status 2 before vLLM starts,
   and so does an AFD setting refused when vLLM builds its config (``--data-parallel-size``
@@ -184,6 +191,61 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=None, help="JSON result file")
     bench.add_argument("--log-dir", type=Path, default=Path("afd-bench-logs"))
     bench.add_argument("--cache-dir", type=Path, default=None, help="tiny checkpoint cache")
+
+    plan = sub.add_parser(
+        "plan",
+        help="predict the best A:F deployments of a model on a hardware profile",
+        description="Rank candidate AFD deployments (Attention ranks A, FFN ranks F, stages, "
+        "batch per Attention rank, expert quantization) by predicted decode tokens/s per device "
+        "with afd-plan's cost model, next to the colocated expert-parallel baseline.",
+    )
+    plan.add_argument(
+        "--model", type=Path, required=True, help="checkpoint folder or its config.json"
+    )
+    plan.add_argument(
+        "--hardware",
+        default=None,
+        help="profile file (.toml/.json) or shipped name (default: the calibrated profile at "
+        "$XDG_CACHE_HOME/afd/profile.json if present, else h100-sxm)",
+    )
+    plan.add_argument("--input-len", type=int, default=1024, help="input tokens per request")
+    plan.add_argument("--output-len", type=int, default=256, help="output tokens per request")
+    plan.add_argument("--tpot-ms", type=float, default=None, help="TPOT target (ms)")
+    plan.add_argument("--devices", type=int, default=None, help="device budget (A + F)")
+    plan.add_argument(
+        "--expert-quant",
+        choices=EXPERT_QUANT_CHOICES,
+        action="append",
+        default=None,
+        help="expert weight format to consider (repeatable; default: all)",
+    )
+    plan.add_argument(
+        "--dense-quant",
+        choices=EXPERT_QUANT_CHOICES,
+        default="none",
+        help="format of every non-expert linear weight",
+    )
+    plan.add_argument(
+        "--kv-dtype",
+        choices=("model", "bfloat16", "float16", "float32", "int8"),
+        default="model",
+        help="KV-cache element format",
+    )
+    plan.add_argument(
+        "--routing",
+        choices=("uniform", "balanced"),
+        default="uniform",
+        help="expert routing statistics (balanced = forced balance)",
+    )
+    plan.add_argument(
+        "--expert-skew",
+        type=float,
+        default=1.0,
+        help="hottest FFN rank's load over the mean (1 = none)",
+    )
+    plan.add_argument("--top", type=int, default=10, help="rows to print")
+    plan.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    plan.add_argument("--plot", type=Path, default=None, help="write tokens/s per device vs A:F")
 
     tiny = sub.add_parser("tiny", help="build a tiny checkpoint and print its directory")
     tiny.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
@@ -356,6 +418,74 @@ def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _plan_hardware(spec: str | None) -> tuple[str | Path, str | None]:
+    """The profile ``afd plan`` uses and a note when it fell back to a shipped default."""
+    from afd_plan.hardware import DEFAULT_PROFILE, calibrated_profile_path
+
+    if spec is not None:
+        return spec, None
+    calibrated = calibrated_profile_path()
+    if calibrated.is_file():
+        return calibrated, f"afd plan: using the calibrated profile {calibrated}"
+    return DEFAULT_PROFILE, (
+        f"afd plan: no calibrated profile at {calibrated}; using the shipped {DEFAULT_PROFILE!r} "
+        "(pass --hardware NAME|FILE)"
+    )
+
+
+def run_plan(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    """``afd plan``: usage errors (a bad flag, config.json or profile) exit 2 naming the field."""
+    import json
+
+    from afd_plan.errors import AFDPlanError
+    from afd_plan.hardware import load_profile
+    from afd_plan.plan import search
+    from afd_plan.report import plan_json, plot_ratio, render_table
+    from afd_plan.shape import load_model_shape
+    from afd_plan.workload import QUANT_SCHEMES, Workload
+
+    for flag, value in (
+        ("--input-len", ns.input_len),
+        ("--output-len", ns.output_len),
+        ("--top", ns.top),
+    ):
+        _positive(parser, flag, value)
+    if ns.tpot_ms is not None:
+        _positive(parser, "--tpot-ms", ns.tpot_ms)
+    try:
+        spec, note = _plan_hardware(ns.hardware)
+        if note:
+            print(note, file=sys.stderr, flush=True)
+        hw = load_profile(spec)
+        shape = load_model_shape(ns.model)
+        work = Workload(
+            input_len=ns.input_len,
+            output_len=ns.output_len,
+            kv_dtype=ns.kv_dtype,
+            dense_quant=ns.dense_quant,
+            routing=ns.routing,
+            expert_skew=ns.expert_skew,
+        )
+        result = search(
+            shape,
+            work,
+            hw,
+            devices=ns.devices,
+            tpot_target_s=None if ns.tpot_ms is None else ns.tpot_ms / 1e3,
+            expert_quants=tuple(dict.fromkeys(ns.expert_quant or QUANT_SCHEMES)),
+        )
+        if ns.plot is not None:
+            plot_ratio(result, ns.plot)
+    except AFDPlanError as e:
+        print(f"afd plan: error: {e}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+    if ns.json:
+        print(json.dumps(plan_json(result, shape, hw, work), indent=2), flush=True)
+    else:
+        print(render_table(result, shape, hw, work, top=ns.top), flush=True)
+    return EXIT_OK if result.candidates else EXIT_MISMATCH
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``afd`` console script; returns the exit status."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -389,6 +519,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _demo(demo_config_from_namespace(parser, ns))
     if ns.command == "bench":
         return _bench(parser, ns)
+    if ns.command == "plan":
+        return run_plan(parser, ns)
     from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 
     try:

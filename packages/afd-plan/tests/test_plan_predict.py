@@ -1,0 +1,167 @@
+"""Predictions on hand-computed cases: the serial step (S = 1), the ping-pong period for S = 2
+(an exposed chain, a weight-bound FFN that splitting slows, compute-bound roles that splitting
+overlaps), the colocated baseline, the memory refusal and the search's order and limits.
+
+Inputs: the round device and tiny Qwen3-MoE of ``afd_plan_inputs`` (2 MoE layers, no dense
+layer, no shared experts), balanced routing, input 10 / output 2 tokens -> mean context 11.
+"""
+
+from __future__ import annotations
+
+import pytest
+from afd_plan.errors import AFDPlanError, AFDPlanMemoryError
+from afd_plan.hardware import HardwareProfile
+from afd_plan.plan import Candidate, memory_per_role, predict, search
+from afd_plan.shape import ModelShape
+from afd_plan.workload import Workload
+
+W = Workload(input_len=10, output_len=2, routing="balanced")
+
+
+def test_serial_step(tiny: ModelShape, device: HardwareProfile) -> None:
+    # t_a: 24576 B weights + 2 seqs * 11 * 128 B KV = 27392 B -> 273.92 ns (memory).
+    # t_f: 2 tokens * k=2 -> 4 pairs -> 4 experts * 12288 B = 49152 B -> 491.52 ns.
+    # t_c: F=1, 2 * 128 B = 256 B: 1 us + 10 us + 25.6 ns = 11.0256 us each way.
+    # P = 0.27392 + 0.49152 + 2 * 11.0256 = 22.81664 us; head 12800 B -> 0.128 us.
+    # TPOT = 2 layers * 22.81664 + 0.128 = 45.76128 us.
+    p = predict(tiny, W, device, Candidate(1, 1, 1, 2))
+    assert p.moe_layer.attention.seconds == pytest.approx(273.92e-9)
+    assert p.moe_layer.experts.seconds == pytest.approx(491.52e-9)
+    assert p.moe_layer.transfer.seconds == pytest.approx(11.0256e-6)
+    assert p.tpot_s == pytest.approx(45.76128e-6)
+    assert p.tokens_per_s == pytest.approx(2 / 45.76128e-6)
+    assert p.tokens_per_s_per_device == pytest.approx(1 / 45.76128e-6)
+    assert p.binding == "link"
+
+
+def test_two_stages_with_an_exposed_chain(tiny: ModelShape, device: HardwareProfile) -> None:
+    # mb = 1: t_a 24576 + 1408 = 25984 B -> 259.84 ns; t_f 2 experts -> 245.76 ns;
+    # t_c 1 us + 10 us + 12.8 ns = 11.0128 us, occupancy o = 1.0128 us.
+    # P = max(2*0.25984, 2*0.24576, 2*1.0128, 0.25984 + 0.24576 + 2*11.0128 = 22.5312) us.
+    # head 2 * 0.128 us. TPOT = 2 * 22.5312 + 0.256 = 45.3184 us.
+    p = predict(tiny, W, device, Candidate(1, 1, 2, 2))
+    assert p.moe_layer.period == pytest.approx(22.5312e-6)
+    assert p.tpot_s == pytest.approx(45.3184e-6)
+    assert p.binding == "chain: link"
+
+
+def test_splitting_a_weight_bound_ffn_costs(tiny: ModelShape, device: HardwareProfile) -> None:
+    free_link = device.with_overrides(link_latency=0, message_overhead=0, link_bandwidth=1e15)
+    # A=4, F=1, b=8. S=1: t_a(8) = 24576 + 8*1408 = 35840 B -> 358.4 ns; t_f(32 tokens):
+    # all 8 experts, 98304 B -> 983.04 ns; P ~ 1341.44 ns.
+    one = predict(tiny, W, free_link, Candidate(4, 1, 1, 8))
+    assert one.moe_layer.period == pytest.approx(1341.44e-9, rel=1e-4)
+    # S=2: t_a(4) = 30208 B -> 302.08 ns; t_f(16 tokens) still reads all 8 experts: 983.04 ns;
+    # P = max(604.16, 1966.08, ~0, 1285.12) = 1966.08 ns: the FFN re-reads its weights.
+    two = predict(tiny, W, free_link, Candidate(4, 1, 2, 8))
+    assert two.moe_layer.period == pytest.approx(1966.08e-9, rel=1e-4)
+    assert two.binding == "ffn memory" and two.tpot_s > one.tpot_s
+
+
+def test_two_stages_overlap_compute_bound_roles(tiny: ModelShape, device: HardwareProfile) -> None:
+    free_link = device.with_overrides(link_latency=0, message_overhead=0, link_bandwidth=1e15)
+    work = Workload(input_len=1, output_len=1, routing="balanced")  # context 1.5
+    # b=2000, A=F=1. Per token: attention 2*12288 + 4*4*16*1.5 = 24960 FLOPs; experts
+    # 2 pairs * 2 * 6144 = 24576 FLOPs. S=1: 2000 * (24960 + 24576) / 1e12 = 99.072 us.
+    one = predict(tiny, work, free_link, Candidate(1, 1, 1, 2000))
+    assert one.moe_layer.period == pytest.approx(99.072e-6, rel=1e-4)
+    # S=2: P = max(2 * 24.96, 2 * 24.576, chain 24.96 + 24.576) us = 49.92 us: both roles busy.
+    two = predict(tiny, work, free_link, Candidate(1, 1, 2, 2000))
+    assert two.moe_layer.period == pytest.approx(49.92e-6, rel=1e-4)
+    assert two.binding == "attention compute"
+
+
+def test_colocated_baseline(tiny: ModelShape, device: HardwareProfile) -> None:
+    # EP2, b=2: t_a 273.92 ns; experts for 4 tokens over 2 ranks: 4 pairs on the busiest ->
+    # 4 experts, 49152 B -> 491.52 ns; all-to-all: fanout 1.5, remote 0.75 -> 192 B:
+    # 1 us + 10 us + 19.2 ns = 11.0192 us, twice. P = 0.76544 + 22.0384 = 22.80384 us.
+    p = predict(tiny, W, device, Candidate(2, 0, 1, 2))
+    assert p.moe_layer.period == pytest.approx(22.80384e-6)
+    assert p.tpot_s == pytest.approx(2 * 22.80384e-6 + 0.128e-6)
+    assert p.tokens_per_s_per_device == pytest.approx(2 / p.tpot_s)
+    assert set(p.memory) == {"colocated"}
+
+
+def test_memory_per_role(tiny: ModelShape) -> None:
+    m = memory_per_role(tiny, W, Candidate(1, 1, 1, 1))
+    assert m["attention"]["embeddings"] == 2 * 100 * 64 * 2
+    assert m["attention"]["attention_weights"] == 2 * 12288 * 2
+    assert m["attention"]["kv_cache"] == 1 * 12 * 2 * 64 * 2  # b * (10 + 2) * L * elems * 2 B
+    assert m["ffn"]["expert_weights"] == 8 * 2 * 6144 * 2
+    assert memory_per_role(tiny, W, Candidate(1, 2, 1, 1, "w4a8"))["ffn"]["expert_weights"] == (
+        4 * 2 * 6144 * 0.5
+    )
+
+
+def test_memory_refusal_names_role_and_bytes(tiny: ModelShape, device: HardwareProfile) -> None:
+    small = device.with_overrides(memory_bytes=100_000)
+    with pytest.raises(AFDPlanMemoryError) as err:
+        predict(tiny, W, small, Candidate(1, 1, 1, 1))
+    e = err.value
+    needed = sum(memory_per_role(tiny, W, Candidate(1, 1, 1, 1))["ffn"].values())
+    assert e.role == "ffn" and e.needed_bytes == needed and e.available_bytes == 100_000
+    assert "the ffn role does not fit" in str(e) and f"needs {needed:.0f} bytes" in str(e)
+    assert "holds 100000 bytes" in str(e) and "expert_weights" in str(e)
+
+
+def test_kv_cache_refusal_names_the_attention_role(
+    tiny: ModelShape, device: HardwareProfile
+) -> None:
+    long = Workload(input_len=1_000_000, output_len=1, routing="balanced")
+    with pytest.raises(AFDPlanMemoryError, match="the attention role does not fit") as err:
+        predict(tiny, long, device, Candidate(1, 1, 1, 64))
+    assert err.value.breakdown["kv_cache"] > device.usable_memory
+
+
+def test_search_order_budget_and_target(tiny: ModelShape, device: HardwareProfile) -> None:
+    result = search(tiny, W, device, devices=6, tpot_target_s=60e-6, batches=(1, 4, 16))
+    assert result.candidates
+    rates = [p.tokens_per_s_per_device for p in result.candidates]
+    assert rates == sorted(rates, reverse=True)
+    assert all(p.candidate.devices <= 6 and p.tpot_s <= 60e-6 for p in result.candidates)
+    assert all(not p.candidate.colocated for p in result.candidates)
+    assert set(result.baselines) <= set(range(2, 7))
+    assert all(b.candidate.colocated for b in result.baselines.values())
+    assert result.over_tpot > 0
+
+
+def test_search_counts_memory_refusals(tiny: ModelShape, device: HardwareProfile) -> None:
+    small = device.with_overrides(memory_bytes=150_000)
+    result = search(tiny, W, small, devices=4, batches=(1,), expert_quants=("none",))
+    assert result.refused_memory and all(e.role for e in result.refused_memory)
+    assert all(
+        p.candidate.num_ffn >= 2 for p in result.candidates
+    )  # one rank cannot hold 8 bf16 experts
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_attention": 0}, "num_attention"),
+        ({"stages": 4}, "stages"),
+        ({"batch": 0}, "batch"),
+        ({"expert_quant": "fp4"}, "expert_quant"),
+    ],
+)
+def test_bad_candidate(kwargs: dict[str, object], field: str) -> None:
+    args: dict[str, object] = {"num_attention": 1, "num_ffn": 1, "stages": 1, "batch": 1}
+    args.update(kwargs)
+    with pytest.raises(AFDPlanError) as err:
+        Candidate(**args)  # type: ignore[arg-type]
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"input_len": 0}, "input_len"),
+        ({"kv_dtype": "fp4"}, "kv_dtype"),
+        ({"routing": "zipf"}, "routing"),
+        ({"expert_skew": 0.5}, "expert_skew"),
+        ({"dense_quant": "int3"}, "dense_quant"),
+    ],
+)
+def test_bad_workload(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(AFDPlanError) as err:
+        Workload(**kwargs)  # type: ignore[arg-type]
+    assert err.value.field == field
