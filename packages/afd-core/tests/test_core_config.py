@@ -50,6 +50,7 @@ def test_full_mapping_and_roundtrip() -> None:
         "num_stages": "2",
         "timeout_s": 7,
         "startup_timeout_s": "30",
+        "ffn_loss_grace_s": "12.5",
         "ffn_compute": "Mega",
         "expert_quant": "W4A8",
         "expert_quant_group_size": "32",
@@ -62,6 +63,7 @@ def test_full_mapping_and_roundtrip() -> None:
         "num_stages": 2,
         "timeout_s": 7.0,
         "startup_timeout_s": 30.0,
+        "ffn_loss_grace_s": 12.5,
         "ffn_compute": "mega",
         "expert_quant": "w4a8",
         "expert_quant_group_size": 32,
@@ -447,3 +449,30 @@ def test_num_stages_is_agreed_by_both_roles() -> None:
     assert two.agreement_fields()["num_stages"] == 2
     assert one.agreement_hash() != two.agreement_hash()
     assert cfg(role=AFDRole.FFN, num_stages=2).agreement_hash() == two.agreement_hash()
+
+
+@pytest.mark.parametrize(
+    ("value", "allowed"),
+    [
+        (-1, "seconds >= 0"),
+        (float("inf"), "seconds >= 0"),
+        (float("nan"), "seconds >= 0"),
+        (True, "a number (not bool)"),
+        ("soon", "a number or a numeric string"),
+    ],
+)
+def test_ffn_loss_grace_rejects_what_is_not_seconds(value: object, allowed: str) -> None:
+    with pytest.raises(AFDConfigError) as err:
+        AFDConfig.from_mapping({"role": "attention", "ffn_loss_grace_s": value})
+    assert err.value.field == "ffn_loss_grace_s"
+    assert allowed in str(err.value)
+
+
+def test_ffn_loss_grace_default_and_local_to_each_role() -> None:
+    assert cfg().ffn_loss_grace_s == 60.0
+    assert (
+        AFDConfig.from_mapping({"role": "attention", "ffn_loss_grace_s": 0}).ffn_loss_grace_s == 0
+    )
+    held = AFDConfig.from_mapping({"role": "attention", "ffn_loss_grace_s": 5})
+    # The FFN role never reads it: the roles need not agree on it.
+    assert held.agreement_hash() == cfg().agreement_hash()

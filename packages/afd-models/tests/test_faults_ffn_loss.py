@@ -1,15 +1,20 @@
 """Faults: the FFN role dies while the Attention role serves, then comes back.
 
-One AFD pair (tiny Qwen3-MoE, 1:1, float32, eager), started once:
+One AFD pair (tiny Qwen3-MoE, 1:1, float32, eager), started once with the default
+``ffn_loss_grace_s`` (60 s): requests are held while the FFN role is away and resume when it is
+back.
 
-1. reference tokens for the demo prompts;
-2. the FFN role's process session is SIGKILLed while a long request is being generated: that
-   request ends with HTTP 500 naming the FFN role, well within ``timeout_s``; the Attention
-   server stays up, ``/health`` answers 503, and a new request fails at once the same way;
-3. a new FFN server (same arguments) starts: the Attention role reconnects by itself
-   (``/health`` 200 again) and serves the demo prompts token for token as before;
-4. the FFN role is SIGKILLed again while the pair is idle: ``/health`` turns 503 within the
-   heartbeat bound (no request needed to notice), and a restarted FFN serves again;
+1. reference tokens (plain-run outputs of this same pair) for the demo prompts and a long one;
+2. the FFN role's process session is SIGKILLed while the long request is being generated, and a
+   second request arrives while it is down: ``/health`` answers 503, nothing fails; a new FFN
+   server (same arguments) starts within the grace, the Attention role reconnects by itself and
+   **both requests complete with HTTP 200 and the reference tokens** (recomputed after a
+   preemption: the stall is printed);
+3. the FFN role is SIGKILLed while the pair is idle: ``/health`` turns 503 within the heartbeat
+   bound (no request needed to notice), and a restarted FFN serves the reference tokens;
+4. the FFN role is SIGKILLed and stays down past the grace: a request sent once the loss is
+   known fails with HTTP 500 naming the FFN role and ``ffn_loss_grace_s`` **at the grace, not
+   before**; a request after that fails at once; a restarted FFN serves the reference tokens;
 5. both roles stop on SIGTERM with exit code 0.
 """
 
@@ -41,7 +46,8 @@ from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
 pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
 
 TIMEOUT_S = 30.0  # the AFD config's timeout_s (every wait inside a step)
-LONG_TOKENS = 900  # long enough to still be generating when the FFN dies
+GRACE_S = 60.0  # AFDConfig.ffn_loss_grace_s's default (the deployment does not set it)
+LONG_TOKENS = 400  # long enough to still be generating when the FFN dies
 UNAVAILABLE = "AFD FFN role unavailable"
 #: The Attention role notices an idle FFN's death by its heartbeat: 10 s without a beat
 #: (afd_core.session.liveness.LIVENESS_TIMEOUT_S) plus a poll; generous for a loaded 2-core host.
@@ -92,8 +98,25 @@ def _restart(first: VLLMServer, n: int) -> VLLMServer:
     return again
 
 
+def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn`` on a thread; its result (or error) lands in the returned dict."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            out["value"] = fn()
+        except Exception as err:
+            out["error"] = err
+        out["done_at"], out["took"] = time.monotonic(), time.monotonic() - t0
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out
+
+
 @pytest.mark.timeout(1800)
-def test_ffn_loss_fails_requests_keeps_attention_up_and_reconnects(
+def test_ffn_loss_holds_requests_resumes_them_and_fails_them_past_the_grace(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     cache = os.environ.get("AFD_TINY_CACHE")
@@ -118,39 +141,42 @@ def test_ffn_loss_fails_requests_keeps_attention_up_and_reconnects(
         wait_until_healthy([ffn, attention])
         model = served_model_id(attention.base_url)
         reference = _tokens(attention, model)
+        long_prompt = DEMO_PROMPTS[0]
+        long_reference = complete(
+            attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS
+        ).token_ids
 
-        # -- 2. the FFN dies mid-request -------------------------------------------------
-        result: dict[str, tuple[int, str, float]] = {}
-        worker = threading.Thread(
-            target=lambda: result.setdefault(
-                "long", _post(attention.base_url, model, DEMO_PROMPTS[0], LONG_TOKENS)
-            )
+        # -- 2. the FFN dies mid-request: held, then resumed with the same tokens -------------
+        long_thread, long_out = _in_thread(
+            lambda: complete(attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS)
         )
-        worker.start()
         time.sleep(2.0)
-        assert worker.is_alive(), f"the long request ended before the kill: {result}"
+        assert long_thread.is_alive(), f"the long request ended before the kill: {long_out}"
         ffn.kill()
         killed_at = time.monotonic()
-        worker.join(TIMEOUT_S + 30)
-        assert not worker.is_alive(), "the in-flight request hung after the FFN died"
-        status, body, _ = result["long"]
-        assert status == 500, body
-        assert UNAVAILABLE in body and "FFN world rank 1" in body, body
-        assert time.monotonic() - killed_at < TIMEOUT_S, "not failed within timeout_s"
+        _wait_health(attention, 503, TIMEOUT_S + 15.0)
+        late_thread, late_out = _in_thread(
+            lambda: complete(attention.base_url, DEMO_PROMPTS[1], model=model, max_tokens=16)
+        )
+        time.sleep(2.0)
+        assert long_thread.is_alive() and late_thread.is_alive(), (long_out, late_out)
         assert attention.poll() is None, "the Attention server exited"
-        _wait_health(attention, 503, 15.0)
-        status, body, took = _post(attention.base_url, model, DEMO_PROMPTS[1], 8)
-        assert status == 500 and UNAVAILABLE in body, body
-        assert took < 5.0, f"a request while the FFN is down took {took:.1f}s"
-
-        # -- 3. a new FFN: the Attention role reconnects by itself ------------------------
         ffn = _restart(ffns[0], 1)
         ffns.append(ffn)
         wait_until_healthy([ffn])
+        assert time.monotonic() - killed_at < GRACE_S, "the FFN restart took longer than the grace"
         _wait_health(attention, 200, 120.0)
+        long_thread.join(120)
+        late_thread.join(120)
+        assert "error" not in long_out and "error" not in late_out, (long_out, late_out)
+        assert long_out["value"].token_ids == long_reference
+        assert late_out["value"].token_ids == reference[1]
+        print(
+            f"held across an FFN restart: resumed {long_out['done_at'] - killed_at:.1f}s after the kill"
+        )
         assert _tokens(attention, model) == reference
 
-        # -- 4. the FFN dies while the pair is idle ---------------------------------------
+        # -- 3. the FFN dies while the pair is idle ---------------------------------------
         ffn.kill()
         took = _wait_health(attention, 503, IDLE_DETECT_BOUND_S)
         print(f"idle FFN loss reported unhealthy after {took:.1f}s")
@@ -160,6 +186,22 @@ def test_ffn_loss_fails_requests_keeps_attention_up_and_reconnects(
         _wait_health(attention, 200, 120.0)
         assert _tokens(attention, model) == reference
         assert "reconnected to its FFN role" in attention.log_text()
+
+        # -- 4. the FFN stays down past the grace: 500 at the grace, not before ----------------
+        ffn.kill()
+        _wait_health(attention, 503, IDLE_DETECT_BOUND_S)
+        status, body, took = _post(attention.base_url, model, DEMO_PROMPTS[2], 8)
+        assert status == 500 and UNAVAILABLE in body and "ffn_loss_grace_s" in body, body
+        assert GRACE_S - 1.0 <= took < GRACE_S + TIMEOUT_S, f"failed after {took:.1f}s"
+        status, body, took = _post(attention.base_url, model, DEMO_PROMPTS[1], 8)
+        assert status == 500 and UNAVAILABLE in body, body
+        assert took < 5.0, f"a request past the grace took {took:.1f}s"
+        assert attention.poll() is None, "the Attention server exited"
+        ffn = _restart(ffns[0], 3)
+        ffns.append(ffn)
+        wait_until_healthy([ffn])
+        _wait_health(attention, 200, 120.0)
+        assert _tokens(attention, model) == reference
 
         # -- 5. both roles stop cleanly ---------------------------------------------------
         results = stop_all([attention, ffn], timeout_s=30.0)

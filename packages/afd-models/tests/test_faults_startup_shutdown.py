@@ -11,8 +11,8 @@ or whose load raises (``AFD_INJECT_FAULT=ffn_load``): the Attention role exits n
 FFN's message (world rank 1, stage ``load``) within its ``startup_timeout_s`` (short here).
 
 Issue #31 item 6. An FFN whose service dies of a fatal error while serving
-(``AFD_INJECT_FAULT=ffn_compute``): the request fails with HTTP 500 carrying the FFN's error, the
-Attention role stays up, and the FFN server exits non-zero (not a healthy-looking process that
+(``AFD_INJECT_FAULT=ffn_compute``), with ``ffn_loss_grace_s: 0`` (no hold): the request fails with
+HTTP 500 carrying the FFN's error, the Attention role stays up, and the FFN server exits non-zero (not a healthy-looking process that
 serves nothing).
 
 Engine starts are few: every case shares servers where it can.
@@ -376,7 +376,12 @@ def test_ffn_service_error_fails_the_request_and_the_ffn_exits_nonzero(
     import requests
 
     attention, ffn = roles(
-        model, log_dir, "compute-fault", ffn_env={"AFD_INJECT_FAULT": "ffn_compute"}
+        model,
+        log_dir,
+        "compute-fault",
+        ffn_env={"AFD_INJECT_FAULT": "ffn_compute"},
+        # Fail the request at once (no hold for an FFN that would come back: none does here).
+        afd_extra={"ffn_loss_grace_s": 0},
     )
     cleanup += [attention, ffn]
     ffn.start()

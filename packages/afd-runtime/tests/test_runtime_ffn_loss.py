@@ -26,7 +26,7 @@ from afd_runtime.ffn_loss import (
 
 pytestmark = pytest.mark.vllm_runtime
 
-ATTENTION = {"afd": {"role": "attention"}}
+ATTENTION = {"afd": {"role": "attention", "ffn_loss_grace_s": 0}}  # fail at once (pre-0.6)
 ERROR = AFDFFNUnavailableError(AFDPeerError(1, "recv_ffn_output", "Connection closed by peer"))
 
 
@@ -80,7 +80,9 @@ def _engine(additional_config: dict[str, Any], error: BaseException) -> Any:
     )
 
 
-def test_step_fails_every_request_with_the_error_text_and_keeps_the_engine() -> None:
+def test_with_no_grace_a_step_fails_every_request_with_the_error_text_and_keeps_the_engine() -> (
+    None
+):
     from vllm.v1.core.sched.output import SchedulerOutput  # noqa: F401  (vLLM importable)
     from vllm.v1.engine import FinishReason
     from vllm.v1.engine.core import EngineCore
@@ -106,6 +108,107 @@ def test_step_reraises_other_errors_and_other_roles() -> None:
         EngineCore.step(_engine(ATTENTION, ValueError("bug")))
     with pytest.raises(AFDFFNUnavailableError):  # not an AFD Attention server
         EngineCore.step(_engine({}, ERROR))
+
+
+class _HoldScheduler(_Scheduler):
+    """A scheduler with running and waiting requests and vLLM's preempt-all (recompute)."""
+
+    def __init__(self, running: list[_Request], waiting: list[_Request]) -> None:
+        super().__init__([])
+        self.running, self.waiting = list(running), list(waiting)
+        self.resets = 0
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        assert reset_running_requests
+        self.resets += 1
+        self.waiting[:0] = self.running
+        self.running = []
+        return True
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.get_num_unfinished_requests() > 0
+
+    def finish_requests(self, ids: Any, status: Any) -> list[_Request]:
+        done = self.running + self.waiting
+        self.running, self.waiting = [], []
+        self.finished.append((ids, status))
+        return done
+
+
+class _HoldWorld:
+    """An Attention engine core whose FFN link is up or down, a clock and a sleep recorder."""
+
+    def __init__(self, grace_s: float) -> None:
+        self.now = 100.0
+        self.sleeps: list[float] = []
+        self.link: str | None = None  # the workers' afd_attention_health reason
+        self.hold = ffn_loss.FFNLossHold(grace_s, clock=lambda: self.now, sleep=self.sleeps.append)
+        self.scheduler = _HoldScheduler([_Request("a", 0), _Request("b", 0)], [_Request("c", 0)])
+        self.engine = SimpleNamespace(
+            scheduler=self.scheduler,
+            model_executor=SimpleNamespace(collective_rpc=lambda name: [self.link]),
+        )
+        self.executed = 0
+
+    def original(self, engine: Any) -> tuple[dict[int, Any], bool]:
+        if self.link is not None:
+            raise ERROR
+        self.executed += 1
+        engine.scheduler.running = engine.scheduler.running + engine.scheduler.waiting
+        engine.scheduler.waiting = []
+        return {0: "outputs"}, True
+
+    def step(self) -> tuple[dict[int, Any], bool]:
+        return self.hold.step(self.engine, self.original)
+
+
+def test_an_ffn_loss_holds_the_requests_and_they_resume_when_the_link_is_back() -> None:
+    world = _HoldWorld(grace_s=60.0)
+    world.link = "FFN world rank 1 lost"
+    assert world.step() == ({}, False)  # the failed step: held, not failed
+    sched = world.scheduler
+    assert sched.resets == 1 and sched.running == [] and len(sched.waiting) == 3
+    assert sched.finished == [] and world.hold.down_since == 100.0 and world.hold.holds == 1
+    for _ in range(3):  # still down, within the grace: nothing scheduled, the engine waits
+        world.now += 10.0
+        assert world.step() == ({}, False)
+    assert world.sleeps == [ffn_loss.HOLD_POLL_S] * 3 and world.executed == 0
+    sched.waiting.append(_Request("d", 1))  # a request arriving during the hold waits too
+    world.link = None  # the FFN role is back: the held requests are scheduled again
+    assert world.step() == ({0: "outputs"}, True)
+    assert world.executed == 1 and len(sched.running) == 4 and sched.finished == []
+    assert world.hold.down_since is None and world.hold.resumes == 1
+
+
+def test_past_the_grace_the_held_requests_fail_and_new_ones_fail_fast_until_the_link_is_back() -> (
+    None
+):
+    from vllm.v1.request import RequestStatus
+
+    world = _HoldWorld(grace_s=30.0)
+    world.link = "AFD FFN role unavailable: FFN world rank 1 lost"
+    assert world.step() == ({}, False)
+    world.now += 29.0
+    assert world.step() == ({}, False) and world.scheduler.finished == []  # not before
+    world.now += 1.0
+    outputs, executed = world.step()
+    assert executed is False and world.scheduler.finished == [(None, RequestStatus.FINISHED_ERROR)]
+    texts = {o.stop_reason for outs in outputs.values() for o in outs.outputs}
+    assert len(texts) == 1
+    (text,) = texts
+    assert text.startswith(STOP_REASON_PREFIX + "AFD FFN role unavailable: FFN world rank 1 lost")
+    assert "requests held 30s: ffn_loss_grace_s" in text
+    assert world.hold.expired
+    world.scheduler.waiting.append(_Request("late", 0))  # still down: fails at the next step
+    outputs, _ = world.step()
+    assert [o.request_id for outs in outputs.values() for o in outs.outputs] == ["late"]
+    world.link = None  # back: serving again, a fresh grace for the next loss
+    world.scheduler.waiting.append(_Request("e", 0))
+    assert world.step() == ({0: "outputs"}, True)
+    assert not world.hold.expired and world.hold.down_since is None
 
 
 def test_failed_request_answers_with_the_afd_text_others_keep_vllm_s() -> None:

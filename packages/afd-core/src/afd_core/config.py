@@ -82,6 +82,7 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "num_stages",
     "timeout_s",
     "startup_timeout_s",
+    "ffn_loss_grace_s",
     "ffn_compute",
     "expert_quant",
     "expert_quant_group_size",
@@ -105,6 +106,7 @@ LOCAL_FIELDS: tuple[str, ...] = (
     "ffn_rank",
     "timeout_s",
     "startup_timeout_s",
+    "ffn_loss_grace_s",
     "ffn_compute",
     "expert_quant",
     "expert_quant_group_size",
@@ -239,6 +241,9 @@ class AFDConfig:
     num_stages: int = 1
     timeout_s: float = 120.0
     startup_timeout_s: float = 300.0
+    #: Attention role: how long requests are held (preempted, KV freed) while the FFN role is
+    #: lost before they fail; 0 fails them at once.
+    ffn_loss_grace_s: float = 60.0
     ffn_compute: str = "native"
     expert_quant: str = "none"
     expert_quant_group_size: int = 0
@@ -314,6 +319,18 @@ class AFDConfig:
                 "startup_timeout_s", self.startup_timeout_s, "a finite number of seconds > 0"
             )
         object.__setattr__(self, "startup_timeout_s", float(self.startup_timeout_s))
+        if (
+            isinstance(self.ffn_loss_grace_s, bool)
+            or not isinstance(self.ffn_loss_grace_s, int | float)
+            or not math.isfinite(self.ffn_loss_grace_s)
+            or self.ffn_loss_grace_s < 0
+        ):
+            raise AFDConfigError(
+                "ffn_loss_grace_s",
+                self.ffn_loss_grace_s,
+                "a finite number of seconds >= 0 (0: fail held requests at once)",
+            )
+        object.__setattr__(self, "ffn_loss_grace_s", float(self.ffn_loss_grace_s))
         if self.ffn_compute not in FFN_COMPUTE_KINDS:
             raise AFDConfigError(
                 "ffn_compute", self.ffn_compute, f"one of {list(FFN_COMPUTE_KINDS)}"
@@ -425,7 +442,7 @@ class AFDConfig:
             kwargs["compute_gate_on_attention"] = _coerce_bool(
                 "compute_gate_on_attention", canonical["compute_gate_on_attention"]
             )
-        for name in ("timeout_s", "startup_timeout_s"):
+        for name in ("timeout_s", "startup_timeout_s", "ffn_loss_grace_s"):
             if name in canonical:
                 kwargs[name] = _coerce_float(name, canonical[name])
         if "ffn_compute" in canonical:
@@ -451,6 +468,7 @@ class AFDConfig:
             "num_stages": self.num_stages,
             "timeout_s": self.timeout_s,
             "startup_timeout_s": self.startup_timeout_s,
+            "ffn_loss_grace_s": self.ffn_loss_grace_s,
             "ffn_compute": self.ffn_compute,
             "expert_quant": self.expert_quant,
             "expert_quant_group_size": self.expert_quant_group_size,

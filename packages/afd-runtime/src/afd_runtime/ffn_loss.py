@@ -6,10 +6,19 @@ and reconnects in the background. Without these patches vLLM would treat that er
 (the engine core dies, every request gets "EngineCore encountered an issue", the server exits).
 With them, on the Attention role only:
 
-1. ``EngineCore.step`` (:func:`fail_requests_on_ffn_loss`): the step's error finishes every
-   request of the engine (running and waiting) with vLLM's request-level error status
-   (``FINISHED_ERROR``); the engine stays up and serves again once the link is back. The
-   requests' ``stop_reason`` carries the error text, prefixed :data:`STOP_REASON_PREFIX`.
+1. ``EngineCore.step`` (:class:`FFNLossHold`): the step's error **holds** the engine's requests
+   instead of failing them. Every running request is preempted the way vLLM preempts for lack of
+   KV blocks (recompute: its KV freed, back to the waiting queue with its tokens so far; the
+   prefix cache is reset too, since the failed step may have written part of its KV), new
+   requests queue up, and no step is scheduled while any Attention rank's link is down (the
+   workers' ``afd_attention_health``, polled every :data:`HOLD_POLL_S`). When the link is back
+   the held requests resume (their prompts and tokens so far are prefilled again), so a
+   streaming client sees a pause, not an error. If the link stays down for the Attention
+   config's ``ffn_loss_grace_s`` (default 60 s), every request of the engine finishes with
+   vLLM's request-level error status (``FINISHED_ERROR``, :func:`fail_requests_on_ffn_loss`), and
+   so does every request that arrives until the link is back; ``ffn_loss_grace_s: 0`` fails them
+   at the first failed step. The requests' ``stop_reason`` carries the error text, prefixed
+   :data:`STOP_REASON_PREFIX`.
 2. ``OutputProcessor.process_outputs`` and ``GenerateBaseServing._raise_if_error`` (API server):
    a request that failed so answers HTTP 500 with that text ("AFD FFN role unavailable: ...")
    instead of vLLM's bare "Internal server error"; other errors are untouched.
@@ -29,6 +38,7 @@ import asyncio
 import collections
 import functools
 import logging
+import time
 from typing import Any, Final
 
 from afd_core.config import AFDRole, parse_afd_config
@@ -41,6 +51,8 @@ logger = logging.getLogger(__name__)
 STOP_REASON_PREFIX: Final[str] = "afd_ffn_unavailable: "
 #: How long ``/health`` waits for the engine's answer before counting it as healthy.
 HEALTH_RPC_TIMEOUT_S: Final[float] = 5.0
+#: How often a holding engine asks its workers whether the FFN link is back.
+HOLD_POLL_S: Final[float] = 0.2
 #: How many failed requests' texts the API server remembers until their response is written.
 _REMEMBERED: Final[int] = 4096
 _MARK: Final[str] = "_afd_ffn_loss_patched"
@@ -51,7 +63,9 @@ def _is_attention(vllm_config: Any) -> bool:
     return cfg is not None and cfg.role is AFDRole.ATTENTION
 
 
-def fail_requests_on_ffn_loss(engine_core: Any, error: AFDFFNUnavailableError) -> dict[int, Any]:
+def fail_requests_on_ffn_loss(
+    engine_core: Any, error: AFDFFNUnavailableError | str
+) -> dict[int, Any]:
     """Finish every request of ``engine_core`` with ``FINISHED_ERROR``; their outputs by client.
 
     Each output's ``stop_reason`` is :data:`STOP_REASON_PREFIX` + ``str(error)``."""
@@ -74,6 +88,105 @@ def fail_requests_on_ffn_loss(engine_core: Any, error: AFDFFNUnavailableError) -
         )
     logger.error("AFD Attention: %d request(s) failed: %s", len(failed), error)
     return {client: EngineCoreOutputs(outputs=outs) for client, outs in by_client.items()}
+
+
+def _link_down_reason(engine_core: Any) -> str | None:
+    """Why an Attention rank of ``engine_core`` has no FFN link (the first worker's reason), or
+    ``None`` when every link is up."""
+    for reason in engine_core.model_executor.collective_rpc("afd_attention_health"):
+        if reason:
+            return str(reason)
+    return None
+
+
+def hold_running_requests(engine_core: Any) -> int:
+    """Preempt every running request of ``engine_core`` back to its waiting queue (recompute:
+    KV freed; vLLM's own preemption, as ``reset_prefix_cache(reset_running_requests=True)``
+    runs it) and reset the prefix cache; returns how many requests the engine now holds."""
+    scheduler = engine_core.scheduler
+    scheduler.reset_prefix_cache(reset_running_requests=True)
+    return int(scheduler.get_num_unfinished_requests())
+
+
+class FFNLossHold:
+    """The hold-and-resume state of one Attention engine core (see the module docstring).
+
+    ``down_since``: when a step first failed for want of the FFN role (monotonic seconds;
+    ``None`` while the link is up). ``expired``: the link stayed down past ``grace_s``; until it
+    is back every request fails at once."""
+
+    def __init__(self, grace_s: float, clock: Any = time.monotonic, sleep: Any = time.sleep):
+        self.grace_s = float(grace_s)
+        self.down_since: float | None = None
+        self.expired = False
+        self.holds = 0  # hold episodes started
+        self.resumes = 0  # hold episodes ended by the link coming back
+        self._clock = clock
+        self._sleep = sleep
+
+    def step(self, engine_core: Any, original: Any) -> tuple[dict[int, Any], bool]:
+        """One engine step under the hold rules (``original``: vLLM's ``EngineCore.step``)."""
+        if self.down_since is not None:
+            reason = _link_down_reason(engine_core)
+            if reason is None:
+                held = engine_core.scheduler.get_num_unfinished_requests()
+                logger.warning(
+                    "AFD Attention: the FFN role is back after %.1fs; resuming %d held request(s)",
+                    self._clock() - self.down_since,
+                    held,
+                )
+                self.down_since, self.expired = None, False
+                self.resumes += 1
+            elif self.expired or self._clock() - self.down_since >= self.grace_s:
+                return self._expire(engine_core, reason), False
+            else:
+                self._sleep(HOLD_POLL_S)
+                return {}, False
+        try:
+            return original(engine_core)
+        except AFDFFNUnavailableError as err:
+            now = self._clock()
+            if self.grace_s <= 0:
+                return fail_requests_on_ffn_loss(engine_core, err), False
+            if self.down_since is None:
+                self.down_since = now
+                self.holds += 1
+            held = hold_running_requests(engine_core)
+            logger.warning(
+                "AFD Attention: FFN role unavailable (%s); holding %d request(s), KV freed, "
+                "for up to %gs (ffn_loss_grace_s)",
+                err,
+                held,
+                self.grace_s,
+            )
+            return {}, False
+
+    def _expire(self, engine_core: Any, reason: str) -> dict[int, Any]:
+        if not self.expired:
+            logger.error(
+                "AFD Attention: the FFN role stayed unavailable for %gs (ffn_loss_grace_s); "
+                "failing the held requests and every new one until it is back",
+                self.grace_s,
+            )
+            self.expired = True
+        if not engine_core.scheduler.has_unfinished_requests():
+            self._sleep(HOLD_POLL_S)
+            return {}
+        hold_running_requests(engine_core)  # nothing may stay scheduled on a dead link
+        text = f"{reason} (requests held {self.grace_s:g}s: ffn_loss_grace_s)"
+        return fail_requests_on_ffn_loss(engine_core, text)
+
+
+def _hold_of(engine_core: Any) -> FFNLossHold | None:
+    """The engine's :class:`FFNLossHold` (created on first use); ``None`` off the Attention role."""
+    hold = engine_core.__dict__.get("_afd_hold", False)
+    if hold is False:
+        cfg = parse_afd_config(getattr(engine_core.vllm_config, "additional_config", None))
+        hold = None
+        if cfg is not None and cfg.role is AFDRole.ATTENTION:
+            hold = FFNLossHold(cfg.ffn_loss_grace_s)
+        engine_core.__dict__["_afd_hold"] = hold
+    return hold
 
 
 class _FailedRequests:
@@ -129,12 +242,10 @@ def install_ffn_loss_patches() -> None:
     def make_step(original: Any) -> Any:
         @functools.wraps(original)
         def step(self: Any) -> Any:
-            try:
+            hold = _hold_of(self)
+            if hold is None:
                 return original(self)
-            except AFDFFNUnavailableError as err:
-                if not _is_attention(self.vllm_config):
-                    raise
-                return fail_requests_on_ffn_loss(self, err), False
+            return hold.step(self, original)
 
         return step
 
