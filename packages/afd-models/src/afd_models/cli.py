@@ -200,7 +200,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with afd-plan's cost model, next to the colocated expert-parallel baseline.",
     )
     plan.add_argument(
-        "--model", type=Path, required=True, help="checkpoint folder or its config.json"
+        "--model",
+        type=Path,
+        required=True,
+        help="checkpoint folder, its config.json, or a public shape's name (deepseek-v3, "
+        "deepseek-v3.2)",
     )
     plan.add_argument(
         "--hardware",

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from afd_plan.errors import AFDPlanError
+from afd_plan.public_configs import PUBLIC_CONFIGS
 
 __all__ = ["DTYPE_BYTES", "FAMILIES", "AttentionShape", "ModelShape", "load_model_shape"]
 
@@ -264,7 +265,9 @@ class ModelShape:
 
 
 def load_model_shape(path: str | Path) -> ModelShape:
-    """Read a :class:`ModelShape` from a checkpoint folder (its ``config.json``) or the file.
+    """Read a :class:`ModelShape` from a checkpoint folder (its ``config.json``), the file, or
+    the name of a public shape (:data:`afd_plan.public_configs.PUBLIC_CONFIGS`, e.g.
+    ``deepseek-v3``) when no such file exists.
 
     Raises :class:`AFDPlanError` naming the field (``config.json:<key>``), the value and what is
     allowed: a missing file, invalid JSON, an unsupported ``model_type``, a missing or
@@ -273,8 +276,14 @@ def load_model_shape(path: str | Path) -> ModelShape:
     p = Path(path)
     file = p / "config.json" if p.is_dir() else p
     if not file.is_file():
+        public = PUBLIC_CONFIGS.get(str(path).lower())
+        if public is not None:
+            return shape_from_config(public)
         raise AFDPlanError(
-            "model", str(path), "a checkpoint folder holding config.json, or the file"
+            "model",
+            str(path),
+            "a checkpoint folder holding config.json, the file, or a public shape's name "
+            f"({', '.join(sorted(PUBLIC_CONFIGS))})",
         )
     try:
         data = json.loads(file.read_text())
