@@ -42,6 +42,7 @@ class _Request:
         self.request_id = rid
         self.client_index = client
         self.trace_headers = None
+        self.num_in_flight_tokens = 1  # the failed step scheduled one token for it
 
     def get_finished_reason(self) -> Any:
         from vllm.v1.engine import FinishReason
@@ -171,6 +172,8 @@ def test_an_ffn_loss_holds_the_requests_and_they_resume_when_the_link_is_back() 
     assert world.step() == ({}, False)  # the failed step: held, not failed
     sched = world.scheduler
     assert sched.resets == 1 and sched.running == [] and len(sched.waiting) == 3
+    # The failed step's tokens never come back: no stale output is left to drain.
+    assert [r.num_in_flight_tokens for r in sched.waiting] == [0, 0, 1]  # c was not running
     assert sched.finished == [] and world.hold.down_since == 100.0 and world.hold.holds == 1
     for _ in range(3):  # still down, within the grace: nothing scheduled, the engine waits
         world.now += 10.0

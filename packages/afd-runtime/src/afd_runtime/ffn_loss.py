@@ -102,8 +102,14 @@ def _link_down_reason(engine_core: Any) -> str | None:
 def hold_running_requests(engine_core: Any) -> int:
     """Preempt every running request of ``engine_core`` back to its waiting queue (recompute:
     KV freed; vLLM's own preemption, as ``reset_prefix_cache(reset_running_requests=True)``
-    runs it) and reset the prefix cache; returns how many requests the engine now holds."""
+    runs it) and reset the prefix cache; returns how many requests the engine now holds.
+
+    The failed step was scheduled but will never report an output: its tokens are taken off
+    each request's in-flight count first (else the preemption would mark them as a stale output
+    still to drain, and the next real step's accounting would go negative)."""
     scheduler = engine_core.scheduler
+    for request in scheduler.running:
+        request.num_in_flight_tokens = 0
     scheduler.reset_prefix_cache(reset_running_requests=True)
     return int(scheduler.get_num_unfinished_requests())
 
