@@ -191,6 +191,16 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", type=Path, default=None, help="JSON result file")
     bench.add_argument("--log-dir", type=Path, default=Path("afd-bench-logs"))
     bench.add_argument("--cache-dir", type=Path, default=None, help="tiny checkpoint cache")
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="instead of the serving bench: measure this host's GEMM rate, gloo round trips and "
+        "thread wake-up and write the hardware profile afd plan reads (to --out, default: "
+        "~/.cache/afd/profile.json, afd plan's default profile)",
+    )
+    bench.add_argument(
+        "--quick", action="store_true", help="with --profile: fewer repeats (a harness check)"
+    )
 
     plan = sub.add_parser(
         "plan",
@@ -394,7 +404,29 @@ def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[in
         parser.error(f"afd bench: {flag}={text!r}: expected comma-separated integers")
 
 
+def _bench_profile(ns: argparse.Namespace) -> int:
+    from afd_plan.hardware import calibrated_profile_path
+
+    from afd_models.demo.calibrate import calibrate, write_profile
+
+    out = ns.out if ns.out is not None else calibrated_profile_path()
+    cal = calibrate(quick=ns.quick, progress=lambda msg: print(msg, flush=True))
+    profile = write_profile(cal, out)
+    print(
+        f"peak fp32 {profile['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "
+        f"{profile['memory_bandwidth'] / 1e9:.1f} GB/s, link {profile['link_bandwidth'] / 1e9:.2f} "
+        f"GB/s + {profile['link_latency'] * 1e6:.0f} us, wake-up "
+        f"{profile['message_overhead'] * 1e6:.1f} us"
+    )
+    print(f"wrote {out} (afd plan's default profile at that path)")
+    return EXIT_OK
+
+
 def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    if ns.profile:
+        return _bench_profile(ns)
+    if ns.quick:
+        parser.error("afd bench: --quick goes with --profile")
     from afd_models.demo.bench import BenchConfig, run_bench
     from afd_models.demo.servers import ServerError
 

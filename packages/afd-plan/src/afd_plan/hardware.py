@@ -61,7 +61,7 @@ __all__ = [
 COMPUTE_DTYPES: Final[tuple[str, ...]] = ("bf16", "fp16", "fp32", "int8")
 #: The shipped profile ``afd plan`` falls back to when no calibrated profile exists.
 DEFAULT_PROFILE: Final[str] = "h100-sxm"
-#: Where a calibrated profile of this host lives (to be written by ``afd bench --profile``):
+#: Where a calibrated profile of this host lives (written by afd-models' ``afd bench --profile``):
 #: ``$XDG_CACHE_HOME/afd/profile.json``, ``~/.cache/afd/profile.json`` without it.
 CALIBRATED_PROFILE_NAME: Final[str] = "afd/profile.json"
 

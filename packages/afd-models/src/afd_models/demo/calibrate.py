@@ -1,0 +1,256 @@
+"""``afd bench --profile``: measure this host's costs and write a profile ``afd plan`` reads.
+
+What is measured (each a median over repeats, on this process's torch threads):
+
+* **GEMM rate** at the decode shapes of a MoE expert (``tokens x hidden`` by ``hidden x inter``,
+  fp32) for several token counts. The largest achieved FLOP/s is the profile's ``peak_flops.fp32``
+  (efficiency 1: it is already an achieved rate). These weights (2 MiB) stay in cache: the
+  1-token GEMM's weight reads are recorded as the cache-resident rate, not used as memory
+  bandwidth.
+* **Memory bandwidth**: a copy of a buffer far larger than any cache (256 MiB; read + write
+  bytes over the time): ``memory_bandwidth``, what a real model's weight and KV reads see.
+* **Link**: raw gloo send/recv round trips between two spawned processes over loopback (what
+  the P2P connector's data group is on one host): half the small-message round trip is
+  ``link_latency``; the large message's extra time gives ``link_bandwidth``.
+* **Wake-up**: a thread handing an event to another and waiting for the answer (what a stage
+  turn and an FFN service reply cost beyond the bytes): half its round trip is
+  ``message_overhead``.
+* ``memory_bytes``: this host's RAM.
+
+The written profile validates with :func:`afd_plan.profile_from_mapping` before it is written;
+``afd plan`` uses the file at :func:`afd_plan.calibrated_profile_path` by default.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import statistics
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "Calibration",
+    "GemmPoint",
+    "calibrate",
+    "measure_gemm",
+    "measure_link",
+    "measure_memory_bandwidth",
+    "measure_wakeup",
+    "profile_mapping",
+    "write_profile",
+]
+
+#: The decode GEMM of the tiny wide checkpoint's experts (hidden 1024, moe_intermediate 512).
+GEMM_SHAPE = (1024, 512)
+GEMM_TOKENS = (1, 4, 16, 64, 256)
+LINK_SIZES = (4 << 10, 4 << 20)
+
+
+@dataclass(frozen=True)
+class GemmPoint:
+    tokens: int
+    seconds: float
+    flops_per_s: float
+    weight_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """What :func:`calibrate` measured (all rates achieved, not peak)."""
+
+    gemm: tuple[GemmPoint, ...]
+    memory_bandwidth: float
+    link_rtt_s: dict[int, float]
+    link_latency_s: float
+    link_bandwidth: float
+    wakeup_s: float
+    memory_bytes: int
+    threads: int
+
+
+def _median_time(fn: Callable[[], object], repeats: int, inner: int) -> float:
+    fn()  # warm-up
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        samples.append((time.perf_counter() - t0) / inner)
+    return statistics.median(samples)
+
+
+def measure_gemm(
+    tokens: Sequence[int] = GEMM_TOKENS,
+    shape: tuple[int, int] = GEMM_SHAPE,
+    *,
+    repeats: int = 5,
+    inner: int = 20,
+) -> tuple[GemmPoint, ...]:
+    """fp32 ``x[t, h] @ w[h, i]`` per token count ``t``: time, FLOP/s, weight bytes/s."""
+    hidden, inter = shape
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(hidden, inter, generator=gen)
+    points = []
+    with torch.inference_mode():
+        for t in tokens:
+            x = torch.randn(t, hidden, generator=gen)
+            out = torch.empty(t, inter)
+            seconds = _median_time(functools.partial(torch.mm, x, weight, out=out), repeats, inner)
+            points.append(
+                GemmPoint(
+                    tokens=t,
+                    seconds=seconds,
+                    flops_per_s=2.0 * t * hidden * inter / seconds,
+                    weight_bytes_per_s=weight.numel() * weight.element_size() / seconds,
+                )
+            )
+    return tuple(points)
+
+
+def measure_memory_bandwidth(nbytes: int = 256 << 20, *, repeats: int = 5) -> float:
+    """Bytes read plus written per second by a copy of ``nbytes`` (B/s)."""
+    src = torch.ones(nbytes // 4)
+    dst = torch.empty_like(src)
+    seconds = _median_time(lambda: dst.copy_(src), repeats, 1)
+    return 2.0 * nbytes / seconds
+
+
+def _link_rank(rank: int, port: int, sizes: Sequence[int], repeats: int) -> dict[int, float]:
+    """One side of the raw gloo round trips (spawned by :func:`measure_link`)."""
+    import torch.distributed as dist
+    from afd_core.connector.p2p.groups import make_process_group
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=60))
+    group = make_process_group("gloo", store, rank, 2, timedelta(seconds=60))
+    peer = 1 - rank
+    out: dict[int, float] = {}
+    for size in sizes:
+        buf = torch.zeros(size // 4)
+        samples = []
+        for i in range(repeats + 1):
+            t0 = time.perf_counter()
+            if rank == 0:
+                group.send([buf], peer, 0).wait()
+                group.recv([buf], peer, 1).wait()
+            else:
+                group.recv([buf], peer, 0).wait()
+                group.send([buf], peer, 1).wait()
+            if i:  # the first is the warm-up
+                samples.append(time.perf_counter() - t0)
+        out[size] = statistics.median(samples)
+    return out
+
+
+def measure_link(
+    sizes: Sequence[int] = LINK_SIZES, *, repeats: int = 50
+) -> tuple[dict[int, float], float, float]:
+    """Round trip per message size between two processes; (rtts, latency s, bandwidth B/s)."""
+    from afd_core.testing import free_port, run_world
+
+    results = run_world(_link_rank, 2, free_port(), tuple(sizes), repeats, timeout_s=300)
+    outcome = results[0]
+    if outcome[0] != "ok":
+        raise RuntimeError(f"link measurement failed: {outcome} / {results[1]}")
+    rtts: dict[int, float] = outcome[1]
+    small, large = min(rtts), max(rtts)
+    latency = rtts[small] / 2
+    extra = max(rtts[large] / 2 - latency, 1e-9)
+    return rtts, latency, (large - small) / extra
+
+
+def measure_wakeup(repeats: int = 2000) -> float:
+    """Half the round trip of a turn handed to another thread and handed back (s)."""
+    ping, pong = threading.Event(), threading.Event()
+
+    def answer() -> None:
+        for _ in range(repeats):
+            ping.wait()
+            ping.clear()
+            pong.set()
+
+    helper = threading.Thread(target=answer, daemon=True)
+    helper.start()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        ping.set()
+        pong.wait()
+        pong.clear()
+    elapsed = time.perf_counter() - t0
+    helper.join(10)
+    return elapsed / repeats / 2
+
+
+def calibrate(*, quick: bool = False, progress: Callable[[str], None] = print) -> Calibration:
+    """Run every measurement of the module docstring (``quick``: fewer repeats)."""
+    progress("calibrating: GEMM rate")
+    gemm = measure_gemm(repeats=3 if quick else 7, inner=5 if quick else 20)
+    progress("calibrating: memory bandwidth")
+    bandwidth_mem = measure_memory_bandwidth(
+        (64 if quick else 256) << 20, repeats=3 if quick else 7
+    )
+    progress("calibrating: gloo round trips between two processes")
+    rtts, latency, bandwidth = measure_link(repeats=10 if quick else 100)
+    progress("calibrating: thread wake-up")
+    wakeup = measure_wakeup(200 if quick else 5000)
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Calibration(
+        gemm=gemm,
+        memory_bandwidth=bandwidth_mem,
+        link_rtt_s=rtts,
+        link_latency_s=latency,
+        link_bandwidth=bandwidth,
+        wakeup_s=wakeup,
+        memory_bytes=int(memory),
+        threads=torch.get_num_threads(),
+    )
+
+
+def profile_mapping(cal: Calibration, *, name: str = "calibrated") -> dict[str, Any]:
+    """The :mod:`afd_plan.hardware` profile of ``cal`` (achieved rates, efficiencies 1)."""
+    peak = max(p.flops_per_s for p in cal.gemm)
+    hidden, inter = GEMM_SHAPE
+    return {
+        "name": name,
+        "source": (
+            f"afd bench --profile on this host ({os.cpu_count()} CPUs, {cal.threads} torch "
+            f"thread(s)): fp32 GEMM {hidden}x{inter} at {[p.tokens for p in cal.gemm]} tokens, "
+            f"a large copy, gloo loopback round trips {sorted(cal.link_rtt_s)} bytes, thread wake-up"
+        ),
+        "description": (
+            f"measured {time.strftime('%Y-%m-%d %H:%M:%S')}; rates are achieved ones "
+            "(efficiencies 1); memory bandwidth of a copy larger than any cache"
+        ),
+        "peak_flops": {"fp32": peak},
+        "memory_bandwidth": cal.memory_bandwidth,
+        "memory_bytes": float(cal.memory_bytes),
+        "link_bandwidth": cal.link_bandwidth,
+        "link_latency": cal.link_latency_s,
+        "message_overhead": cal.wakeup_s,
+        "compute_efficiency": 1.0,
+        "memory_efficiency": 1.0,
+        "link_efficiency": 1.0,
+    }
+
+
+def write_profile(cal: Calibration, out: Path) -> dict[str, Any]:
+    """Validate ``cal``'s profile with afd-plan, write it to ``out`` (JSON, with the raw
+    measurements under no profile key), return it."""
+    from afd_plan import profile_from_mapping
+
+    profile = profile_mapping(cal)
+    profile_from_mapping(profile, origin="calibration")  # refuses before anything is written
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(profile, indent=2) + "\n")
+    raw = out.with_name(out.stem + ".measurements.json")
+    raw.write_text(json.dumps(asdict(cal), indent=2, default=str) + "\n")
+    return profile
