@@ -98,6 +98,14 @@ def _restart(first: VLLMServer, n: int) -> VLLMServer:
     return again
 
 
+def _hold_metric(server: VLLMServer, name: str) -> float:
+    """An Attention rank 0 ``afd_*`` hold series from the server's ``/metrics`` (0 if absent)."""
+    from afd_models.demo.servers import afd_samples
+
+    key = (name, frozenset({("role", "attention"), ("rank", "0")}))
+    return afd_samples(server.metrics_text()).get(key, 0.0)
+
+
 def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
     """Run ``fn`` on a thread; its result (or error) lands in the returned dict."""
     out: dict[str, Any] = {}
@@ -161,6 +169,10 @@ def test_ffn_loss_holds_requests_resumes_them_and_fails_them_past_the_grace(
         time.sleep(2.0)
         assert long_thread.is_alive() and late_thread.is_alive(), (long_out, late_out)
         assert attention.poll() is None, "the Attention server exited"
+        # /metrics shows the hold: one episode, both requests held (nothing failed).
+        assert _hold_metric(attention, "afd_ffn_loss_holds_total") == 1
+        assert _hold_metric(attention, "afd_held_requests") == 2
+        assert _hold_metric(attention, "afd_ffn_loss_failed_requests_total") == 0
         ffn = _restart(ffns[0], 1)
         ffns.append(ffn)
         wait_until_healthy([ffn])
@@ -197,6 +209,8 @@ def test_ffn_loss_holds_requests_resumes_them_and_fails_them_past_the_grace(
         assert status == 500 and UNAVAILABLE in body, body
         assert took < 5.0, f"a request past the grace took {took:.1f}s"
         assert attention.poll() is None, "the Attention server exited"
+        assert _hold_metric(attention, "afd_ffn_loss_holds_total") == 2
+        assert _hold_metric(attention, "afd_ffn_loss_failed_requests_total") == 2
         ffn = _restart(ffns[0], 3)
         ffns.append(ffn)
         wait_until_healthy([ffn])

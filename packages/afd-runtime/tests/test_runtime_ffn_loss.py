@@ -146,7 +146,16 @@ class _HoldWorld:
         self.now = 100.0
         self.sleeps: list[float] = []
         self.link: str | None = None  # the workers' afd_attention_health reason
-        self.hold = ffn_loss.FFNLossHold(grace_s, clock=lambda: self.now, sleep=self.sleeps.append)
+        from afd_runtime.metrics import AFDMetrics, RoleMetrics
+        from prometheus_client import CollectorRegistry
+
+        self.registry = CollectorRegistry()
+        self.hold = ffn_loss.FFNLossHold(
+            grace_s,
+            clock=lambda: self.now,
+            sleep=self.sleeps.append,
+            metrics=RoleMetrics("attention", 0, AFDMetrics(self.registry)),
+        )
         self.scheduler = _HoldScheduler([_Request("a", 0), _Request("b", 0)], [_Request("c", 0)])
         self.engine = SimpleNamespace(
             scheduler=self.scheduler,
@@ -165,6 +174,9 @@ class _HoldWorld:
     def step(self) -> tuple[dict[int, Any], bool]:
         return self.hold.step(self.engine, self.original)
 
+    def metric(self, name: str) -> float | None:
+        return self.registry.get_sample_value(name, {"role": "attention", "rank": "0"})
+
 
 def test_an_ffn_loss_holds_the_requests_and_they_resume_when_the_link_is_back() -> None:
     world = _HoldWorld(grace_s=60.0)
@@ -179,11 +191,16 @@ def test_an_ffn_loss_holds_the_requests_and_they_resume_when_the_link_is_back() 
         world.now += 10.0
         assert world.step() == ({}, False)
     assert world.sleeps == [ffn_loss.HOLD_POLL_S] * 3 and world.executed == 0
+    assert world.metric("afd_ffn_loss_holds_total") == 1 and world.metric("afd_held_requests") == 3
     sched.waiting.append(_Request("d", 1))  # a request arriving during the hold waits too
+    world.step()
+    assert world.metric("afd_held_requests") == 4
     world.link = None  # the FFN role is back: the held requests are scheduled again
     assert world.step() == ({0: "outputs"}, True)
     assert world.executed == 1 and len(sched.running) == 4 and sched.finished == []
     assert world.hold.down_since is None and world.hold.resumes == 1
+    assert world.metric("afd_held_requests") == 0
+    assert world.metric("afd_ffn_loss_failed_requests_total") == 0
 
 
 def test_past_the_grace_the_held_requests_fail_and_new_ones_fail_fast_until_the_link_is_back() -> (
@@ -205,9 +222,12 @@ def test_past_the_grace_the_held_requests_fail_and_new_ones_fail_fast_until_the_
     assert text.startswith(STOP_REASON_PREFIX + "AFD FFN role unavailable: FFN world rank 1 lost")
     assert "requests held 30s: ffn_loss_grace_s" in text
     assert world.hold.expired
+    assert world.metric("afd_ffn_loss_failed_requests_total") == 3
+    assert world.metric("afd_held_requests") == 0
     world.scheduler.waiting.append(_Request("late", 0))  # still down: fails at the next step
     outputs, _ = world.step()
     assert [o.request_id for outs in outputs.values() for o in outs.outputs] == ["late"]
+    assert world.metric("afd_ffn_loss_failed_requests_total") == 4
     world.link = None  # back: serving again, a fresh grace for the next loss
     world.scheduler.waiting.append(_Request("e", 0))
     assert world.step() == ({0: "outputs"}, True)

@@ -44,6 +44,7 @@ from typing import Any, Final
 from afd_core.config import AFDRole, parse_afd_config
 
 from afd_runtime.attention_link import AFDFFNUnavailableError
+from afd_runtime.metrics import RoleMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -121,8 +122,15 @@ class FFNLossHold:
     ``None`` while the link is up). ``expired``: the link stayed down past ``grace_s``; until it
     is back every request fails at once."""
 
-    def __init__(self, grace_s: float, clock: Any = time.monotonic, sleep: Any = time.sleep):
+    def __init__(
+        self,
+        grace_s: float,
+        clock: Any = time.monotonic,
+        sleep: Any = time.sleep,
+        metrics: RoleMetrics | None = None,
+    ):
         self.grace_s = float(grace_s)
+        self.metrics = metrics
         self.down_since: float | None = None
         self.expired = False
         self.holds = 0  # hold episodes started
@@ -143,9 +151,11 @@ class FFNLossHold:
                 )
                 self.down_since, self.expired = None, False
                 self.resumes += 1
+                self._held(0)
             elif self.expired or self._clock() - self.down_since >= self.grace_s:
                 return self._expire(engine_core, reason), False
             else:
+                self._held(engine_core.scheduler.get_num_unfinished_requests())
                 self._sleep(HOLD_POLL_S)
                 return {}, False
         try:
@@ -153,11 +163,14 @@ class FFNLossHold:
         except AFDFFNUnavailableError as err:
             now = self._clock()
             if self.grace_s <= 0:
-                return fail_requests_on_ffn_loss(engine_core, err), False
+                return self._failed(fail_requests_on_ffn_loss(engine_core, err)), False
             if self.down_since is None:
                 self.down_since = now
                 self.holds += 1
+                if self.metrics is not None:
+                    self.metrics.ffn_loss_holds.inc()
             held = hold_running_requests(engine_core)
+            self._held(held)
             logger.warning(
                 "AFD Attention: FFN role unavailable (%s); holding %d request(s), KV freed, "
                 "for up to %gs (ffn_loss_grace_s)",
@@ -180,7 +193,17 @@ class FFNLossHold:
             return {}
         hold_running_requests(engine_core)  # nothing may stay scheduled on a dead link
         text = f"{reason} (requests held {self.grace_s:g}s: ffn_loss_grace_s)"
-        return fail_requests_on_ffn_loss(engine_core, text)
+        self._held(0)
+        return self._failed(fail_requests_on_ffn_loss(engine_core, text))
+
+    def _held(self, count: int) -> None:
+        if self.metrics is not None:
+            self.metrics.held_requests.set(count)
+
+    def _failed(self, outputs: dict[int, Any]) -> dict[int, Any]:
+        if self.metrics is not None:
+            self.metrics.ffn_loss_failed.inc(sum(len(o.outputs) for o in outputs.values()))
+        return outputs
 
 
 def _hold_of(engine_core: Any) -> FFNLossHold | None:
@@ -190,7 +213,9 @@ def _hold_of(engine_core: Any) -> FFNLossHold | None:
         cfg = parse_afd_config(getattr(engine_core.vllm_config, "additional_config", None))
         hold = None
         if cfg is not None and cfg.role is AFDRole.ATTENTION:
-            hold = FFNLossHold(cfg.ffn_loss_grace_s)
+            parallel = getattr(engine_core.vllm_config, "parallel_config", None)
+            rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+            hold = FFNLossHold(cfg.ffn_loss_grace_s, metrics=RoleMetrics("attention", rank))
         engine_core.__dict__["_afd_hold"] = hold
     return hold
 

@@ -118,6 +118,28 @@ class AFDMetrics:
             registry=registry,
         )
 
+        # -- Attention role: requests held across an FFN loss (afd_runtime.ffn_loss)
+        self.ffn_loss_holds = Counter(
+            "afd_ffn_loss_holds",
+            "Attention side: FFN losses that held this engine's requests (hold episodes).",
+            _ROLE,
+            registry=registry,
+        )
+        self.held_requests = Gauge(
+            "afd_held_requests",
+            "Attention side: requests held now while the FFN role is away (0 when serving).",
+            _ROLE,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.ffn_loss_failed = Counter(
+            "afd_ffn_loss_failed_requests",
+            "Attention side: requests failed because the FFN role stayed away (past "
+            "ffn_loss_grace_s, or at once with a grace of 0).",
+            _ROLE,
+            registry=registry,
+        )
+
         # -- FFN role
         self.ffn_compute_calls = Counter(
             "afd_ffn_compute_calls",
@@ -213,6 +235,9 @@ class AFDMetrics:
             self.quant_error,
             self.quant_error_calls,
             self.compute_signature,
+            self.ffn_loss_holds,
+            self.held_requests,
+            self.ffn_loss_failed,
             self.attention_ffn_wait,
         )
 
@@ -271,6 +296,9 @@ class RoleMetrics:
         self.reconnects = m.reconnects.labels(**self._labels)
         self.refusals = m.refusals.labels(**self._labels)
         self.tokens_per_call = m.ffn_tokens_per_call.labels(**self._labels)
+        self.ffn_loss_holds = m.ffn_loss_holds.labels(**self._labels)
+        self.held_requests = m.held_requests.labels(**self._labels)
+        self.ffn_loss_failed = m.ffn_loss_failed.labels(**self._labels)
         self._calls: dict[int, Any] = {}
         self._waits: dict[int, Any] = {}
 
