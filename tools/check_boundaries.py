@@ -41,7 +41,7 @@ from packaging.version import Version
 UPPER = frozenset({"afd-runtime", "afd-models"})
 #: vLLM's top-level modules: nothing below afd-runtime imports them or names them in a string.
 VLLM_MODULES = frozenset({"vllm", "vllm_ascend"})
-VLLM_MODULE_NAME = re.compile(r"(?:vllm|vllm_ascend)(?:\.[A-Za-z_][A-Za-z0-9_]*)*")
+VLLM_MODULE_NAME = re.compile(r"(?:vllm|vllm_ascend)(?:\.[A-Za-z_][A-Za-z0-9_]*)*\.?")
 #: FFN packages: mutually independent, and blind to concrete models and worker/runner classes.
 FFN_SIBLINGS = frozenset({"afd-remote", "afd-cam", "afd-compute-npu"})
 FFN_PACKAGES = FFN_SIBLINGS | {"afd-weights"}
@@ -215,13 +215,26 @@ def _range_violations(
 
 def iter_vllm_module_strings(path: Path) -> Iterator[tuple[str, int]]:
     """Every string constant in ``path`` that is a vLLM module's dotted name (``"vllm"``,
-    ``"vllm.forward_context"``, ``"vllm_ascend.ops"``): what ``sys.modules`` or ``importlib``
-    would be handed to reach vLLM without an import statement."""
+    ``"vllm.forward_context"``, ``"vllm_ascend.ops"``, or a prefix of one such as ``"vllm."``
+    in ``f"vllm.{name}"`` or ``startswith("vllm.")``): what ``sys.modules`` or ``importlib``
+    would be handed to reach vLLM without an import statement. Quoted annotations are
+    type-only and pass."""
     tree = ast.parse(path.read_text(), filename=str(path))
+    # Quoted annotations (``x: "vllm.config.VllmConfig"``) are type-only, like TYPE_CHECKING.
+    annotations: set[int] = set()
+    for node in ast.walk(tree):
+        found = []
+        if isinstance(node, ast.arg | ast.AnnAssign) and node.annotation is not None:
+            found.append(node.annotation)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.returns is not None:
+            found.append(node.returns)
+        for annotation in found:
+            annotations.update(id(n) for n in ast.walk(annotation))
     for node in ast.walk(tree):
         if (
             isinstance(node, ast.Constant)
             and isinstance(node.value, str)
+            and id(node) not in annotations
             and VLLM_MODULE_NAME.fullmatch(node.value)
         ):
             yield node.value, node.lineno

@@ -187,7 +187,9 @@ def test_vllm_reach_through_sys_modules_or_importlib_below_runtime(scratch: Path
         "import importlib\nimport sys\n\n\n"
         "def ubatching():\n    return sys.modules.get('vllm.v1.worker.ubatching')\n\n\n"
         "def fc():\n    return importlib.import_module('vllm.forward_context')\n\n\n"
-        "NOTE = 'vllm serve runs this; vllm.x is not a module name here'\n",
+        "NOTE = 'vllm serve runs this; vllm.x is not a module name here'\n\n\n"
+        "def typed(cfg: 'vllm.config.VllmConfig') -> 'vllm.config.VllmConfig':\n    return cfg\n\n\n"
+        "def scan(name):\n    return f'vllm.{name}' in sys.modules\n",
     )
     tail = "; nothing below afd-runtime touches vLLM (no sys.modules or importlib reach either)"
     assert report(scratch) == [
@@ -195,6 +197,8 @@ def test_vllm_reach_through_sys_modules_or_importlib_below_runtime(scratch: Path
         f"'vllm.v1.worker.ubatching' in a string{tail}",
         "packages/afd-core/src/afd_core/planted.py:10: [vllm-reach] afd_core names the module "
         f"'vllm.forward_context' in a string{tail}",
+        "packages/afd-core/src/afd_core/planted.py:21: [vllm-reach] afd_core names the module "
+        f"'vllm.' in a string{tail}",
     ]
 
 

@@ -57,6 +57,17 @@ class _Scheduler:
     def __init__(self, requests: list[_Request]) -> None:
         self.requests = requests
         self.finished: list[Any] = []
+        self.running: list[_Request] = list(requests)
+        self.prefix_resets = 0
+
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        assert reset_running_requests
+        self.prefix_resets += 1
+        self.running = []
+        return True
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
 
     def has_requests(self) -> bool:
         return True
@@ -93,6 +104,8 @@ def test_with_no_grace_a_step_fails_every_request_with_the_error_text_and_keeps_
     outputs, executed = EngineCore.step(engine)
     assert executed is False
     assert engine.scheduler.finished == [(None, RequestStatus.FINISHED_ERROR)]
+    # The failed step's half-written blocks leave the prefix cache before the requests go.
+    assert engine.scheduler.prefix_resets == 1
     assert sorted(outputs) == [0, 1]
     by_id = {o.request_id: o for outs in outputs.values() for o in outs.outputs}
     assert sorted(by_id) == ["a", "b", "c"]

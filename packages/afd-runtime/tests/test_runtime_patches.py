@@ -53,6 +53,7 @@ def _vllm_config(
             worker_cls=worker, distributed_executor_backend=backend, world_size=world_size
         ),
         cache_config=SimpleNamespace(enable_prefix_caching=True),
+        scheduler_config=SimpleNamespace(async_scheduling=True),  # vLLM's default off CPU
         shutdown_timeout=0,
     )
 
@@ -104,6 +105,9 @@ def test_select_afd_worker_per_role() -> None:
     assert attn.parallel_config.worker_cls == AFD_WORKERS[CPU][0]
     assert attn.cache_config.enable_prefix_caching is True
     assert attn.shutdown_timeout == 3
+    # The FFN-loss hold wraps EngineCore.step: the Attention role never steps a batch queue.
+    assert attn.scheduler_config.async_scheduling is False
+    assert ffn.scheduler_config.async_scheduling is True
 
 
 def test_data_parallelism_must_match_the_topology() -> None:

@@ -163,6 +163,9 @@ class FFNLossHold:
         except AFDFFNUnavailableError as err:
             now = self._clock()
             if self.grace_s <= 0:
+                # The failed step's blocks are in the prefix cache with KV never (fully)
+                # written: reset it before the requests go, as the hold does.
+                hold_running_requests(engine_core)
                 return self._failed(fail_requests_on_ffn_loss(engine_core, err)), False
             if self.down_since is None:
                 self.down_since = now

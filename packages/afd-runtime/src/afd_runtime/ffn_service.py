@@ -294,6 +294,8 @@ class FFNService:
             return
         try:
             self.compute.bind(connector)
+        except AFDCancelledError:
+            raise  # the process is stopping: not a bind failure (the caller closes)
         except BaseException as err:
             connector.abort("bind", f"{type(err).__name__}: {err}")
             raise

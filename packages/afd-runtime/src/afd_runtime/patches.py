@@ -228,6 +228,16 @@ def select_afd_worker(
     if cfg.role is AFDRole.FFN:
         # The FFN role has no KV cache; vLLM's prefix-caching coordinator needs one group.
         vllm_config.cache_config.enable_prefix_caching = False
+    sched = getattr(vllm_config, "scheduler_config", None)
+    if cfg.role is AFDRole.ATTENTION and sched is not None and sched.async_scheduling:
+        # The FFN-loss hold (afd_runtime.ffn_loss) wraps EngineCore.step; with async
+        # scheduling vLLM steps through its batch queue instead, where a lost FFN would kill the
+        # engine. vLLM turns it on by default off CPU.
+        sched.async_scheduling = False
+        logger.info(
+            "AFD Attention role: async scheduling off (requests are held across an FFN loss "
+            "in EngineCore.step)"
+        )
     if getattr(vllm_config, "shutdown_timeout", None) == 0:
         # Give engines time to stop their workers (AFD goodbye, no force kill) on SIGTERM.
         vllm_config.shutdown_timeout = AFD_SHUTDOWN_TIMEOUT_S

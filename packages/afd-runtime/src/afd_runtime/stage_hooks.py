@@ -49,7 +49,12 @@ class VLLMStageHooks:
         if stage is not None:
             return stage
         dbo = _vllm_dbo()
-        return None if dbo is None else int(dbo.dbo_current_ubatch_id())
+        if dbo is None:
+            return None
+        try:
+            return int(dbo.dbo_current_ubatch_id())
+        except Exception:  # a thread vLLM's DBO did not register: the metadata's stage
+            return None
 
     def yield_stage(self) -> None:
         if overlap_yield():
