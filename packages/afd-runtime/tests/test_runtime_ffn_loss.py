@@ -175,8 +175,12 @@ class _HoldWorld:
             model_executor=SimpleNamespace(collective_rpc=lambda name: [self.link]),
         )
         self.executed = 0
+        self.flushes = 0
 
     def original(self, engine: Any) -> tuple[dict[int, Any], bool]:
+        if not engine.scheduler.has_unfinished_requests():
+            self.flushes += 1  # vLLM's step with nothing to run: no forward, finished flushed
+            return {}, False
         if self.link is not None:
             raise ERROR
         self.executed += 1
@@ -241,6 +245,11 @@ def test_past_the_grace_the_held_requests_fail_and_new_ones_fail_fast_until_the_
     outputs, _ = world.step()
     assert [o.request_id for outs in outputs.values() for o in outs.outputs] == ["late"]
     assert world.metric("afd_ffn_loss_failed_requests_total") == 4
+    # Nothing left to hold: vLLM's own step runs (it flushes the finished requests; a SIGTERM's
+    # drain waits for that), no sleep, no forward.
+    sleeps = len(world.sleeps)
+    assert world.step() == ({}, False)
+    assert world.flushes == 1 and len(world.sleeps) == sleeps
     world.link = None  # back: serving again, a fresh grace for the next loss
     world.scheduler.waiting.append(_Request("e", 0))
     assert world.step() == ({0: "outputs"}, True)

@@ -152,6 +152,12 @@ class FFNLossHold:
                 self.down_since, self.expired = None, False
                 self.resumes += 1
                 self._held(0)
+            elif not engine_core.scheduler.has_unfinished_requests():
+                # Nothing to hold (all failed, finished or aborted): vLLM's own step flushes the
+                # finished requests without a forward; without it they would keep the engine
+                # "busy" (a SIGTERM's drain would never end).
+                self._held(0)
+                return original(engine_core)
             elif self.expired or self._clock() - self.down_since >= self.grace_s:
                 return self._expire(engine_core, reason), False
             else:
@@ -191,9 +197,6 @@ class FFNLossHold:
                 self.grace_s,
             )
             self.expired = True
-        if not engine_core.scheduler.has_unfinished_requests():
-            self._sleep(HOLD_POLL_S)
-            return {}
         hold_running_requests(engine_core)  # nothing may stay scheduled on a dead link
         text = f"{reason} (requests held {self.grace_s:g}s: ffn_loss_grace_s)"
         self._held(0)
