@@ -324,3 +324,19 @@ def test_engine_health_rpc_reports_the_first_rank_reason() -> None:
 
     assert EngineCore.afd_attention_health(rpc([None])) is None
     assert EngineCore.afd_attention_health(rpc([None, "down"])) == "down"
+
+
+def test_a_stopping_engine_fails_its_held_requests_at_once() -> None:
+    """vLLM's SIGTERM drain cannot finish a held request: the hold fails them before the grace
+    instead of leaving the drain to time out and kill the engine core."""
+    from vllm.v1.engine.core import EngineShutdownState
+
+    world = _HoldWorld(grace_s=60.0)
+    world.link = "AFD FFN role unavailable: FFN world rank 1 lost"
+    assert world.step() == ({}, False)
+    world.engine.shutdown_state = EngineShutdownState.REQUESTED
+    world.now += 1.0
+    outputs, _ = world.step()
+    texts = {o.stop_reason for outs in outputs.values() for o in outs.outputs}
+    assert len(texts) == 1 and "the Attention server is stopping" in texts.pop()
+    assert not world.scheduler.has_unfinished_requests()

@@ -160,6 +160,12 @@ class FFNLossHold:
                 return original(engine_core)
             elif self.expired or self._clock() - self.down_since >= self.grace_s:
                 return self._expire(engine_core, reason), False
+            elif int(getattr(engine_core, "shutdown_state", 0)) != 0:  # vLLM's RUNNING is 0
+                # The engine is stopping: its drain cannot finish a held request, so it fails
+                # now instead of at the drain's timeout (which kills the engine core).
+                return self._expire(
+                    engine_core, f"{reason} (the Attention server is stopping)"
+                ), False
             else:
                 self._held(engine_core.scheduler.get_num_unfinished_requests())
                 self._sleep(HOLD_POLL_S)
