@@ -25,6 +25,8 @@ from afd_core.forward_context import (
     install_stage_hooks,
     installed_stage_hooks,
 )
+from vllm import forward_context as fc
+from vllm.v1.worker import ubatching
 
 from afd_runtime.overlap import current_overlap_stage, overlap_yield
 
@@ -33,8 +35,6 @@ __all__ = ["VLLMStageHooks", "install"]
 
 def _vllm_dbo() -> Any | None:
     """vLLM's micro-batching module when its dual-batch overlap is on, else None."""
-    from vllm.v1.worker import ubatching
-
     try:
         return ubatching if ubatching.dbo_enabled() else None
     except Exception:  # no DBO context on this thread
@@ -64,8 +64,6 @@ class VLLMStageHooks:
             dbo.dbo_yield()
 
     def lookup_metadata(self) -> AFDForwardMetadata | None:
-        from vllm import forward_context as fc
-
         if not fc.is_forward_context_available():
             return None
         kwargs = getattr(fc.get_forward_context(), "additional_kwargs", None)
