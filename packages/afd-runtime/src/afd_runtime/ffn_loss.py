@@ -159,13 +159,13 @@ class FFNLossHold:
                 self._held(0)
                 return original(engine_core)
             elif self.expired or self._clock() - self.down_since >= self.grace_s:
-                return self._expire(engine_core, reason), False
+                text = f"{reason} (requests held {self.grace_s:g}s: ffn_loss_grace_s)"
+                return self._expire(engine_core, text, f"stayed away for {self.grace_s:g}s"), False
             elif int(getattr(engine_core, "shutdown_state", 0)) != 0:  # vLLM's RUNNING is 0
                 # The engine is stopping: its drain cannot finish a held request, so it fails
                 # now instead of at the drain's timeout (which kills the engine core).
-                return self._expire(
-                    engine_core, f"{reason} (the Attention server is stopping)"
-                ), False
+                text = f"{reason} (the Attention server is stopping)"
+                return self._expire(engine_core, text, "is away while the server stops"), False
             else:
                 self._held(engine_core.scheduler.get_num_unfinished_requests())
                 self._sleep(HOLD_POLL_S)
@@ -195,16 +195,17 @@ class FFNLossHold:
             )
             return {}, False
 
-    def _expire(self, engine_core: Any, reason: str) -> dict[int, Any]:
+    def _expire(self, engine_core: Any, text: str, why: str) -> dict[int, Any]:
+        """Fail every request of the engine with ``text`` (and every new one until the link is
+        back); ``why``: what the log says of the FFN role."""
         if not self.expired:
             logger.error(
-                "AFD Attention: the FFN role stayed unavailable for %gs (ffn_loss_grace_s); "
-                "failing the held requests and every new one until it is back",
-                self.grace_s,
+                "AFD Attention: the FFN role %s; failing the held requests and every new one "
+                "until it is back",
+                why,
             )
             self.expired = True
         hold_running_requests(engine_core)  # nothing may stay scheduled on a dead link
-        text = f"{reason} (requests held {self.grace_s:g}s: ffn_loss_grace_s)"
         self._held(0)
         return self._failed(fail_requests_on_ffn_loss(engine_core, text))
 
