@@ -468,7 +468,7 @@ def test_ffn_loss_grace_rejects_what_is_not_seconds(value: object, allowed: str)
     assert allowed in str(err.value)
 
 
-def test_ffn_loss_grace_default_and_local_to_each_role() -> None:
+def test_ffn_loss_grace_zero_accepted_and_local_to_each_role() -> None:
     assert cfg().ffn_loss_grace_s == 60.0
     assert (
         AFDConfig.from_mapping({"role": "attention", "ffn_loss_grace_s": 0}).ffn_loss_grace_s == 0
