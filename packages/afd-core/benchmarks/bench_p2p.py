@@ -12,7 +12,7 @@ interleaved repeats (the order rotates per repeat):
   of percent for identical code (where the kernel places each group's I/O thread), which a
   baseline on a separate group would attribute to the connector.
 * round-trip latency per layer: the Attention side sends, the FFN side sends the same bytes back.
-  P2P: ``send_attn_output`` + ``recv_ffn_output`` / ``recv_attn_output`` + ``send_ffn_output``;
+  P2P: ``send_dispatch`` + ``recv_combine`` / ``recv_dispatch`` + ``send_combine``;
   raw: ``send`` + ``recv``, each receive posted when the call is made,
   into one preallocated buffer per side that every layer overwrites (the straightforward use of
   the API, the baseline of the targets). Reference "raw, connector pattern": the FFN side posts
@@ -32,7 +32,7 @@ baselines: ``raw`` (with the references ``raw_ahead`` and ``rawpipe``) on ``p2p`
 ``raw_reuse`` and ``raw_late`` on the other two connectors' groups.
 
 Also measured in-process (no I/O, free of scheduler noise): the connector's own cost per call
-(``send_attn_output`` + ``recv_ffn_output`` and ``recv_attn_output`` + ``send_ffn_output``
+(``send_dispatch`` + ``recv_combine`` and ``recv_dispatch`` + ``send_combine``
 against a null process group, minus the same null ``send``/``recv`` calls plus the receive-buffer
 allocation the raw path also needs).
 
@@ -49,7 +49,7 @@ bootstrap interval that resamples whole repeats (seeded). Block comparisons are 
 (the kinds of one repeat ran back to back), which cancels the machine's slow drift: the added
 round-trip time is the median over repeats of (RTT_p2p - RTT_raw), the throughput ratio the median
 of (MB/s_p2p / MB/s_raw). A round trip makes four calls on each path (P2P:
-``send_attn_output``, ``recv_attn_output``, ``send_ffn_output``, ``recv_ffn_output``; raw: two
+``send_dispatch``, ``recv_dispatch``, ``send_combine``, ``recv_combine``; raw: two
 sends, two receives), so the added latency per call is the added RTT / 4; per transfer (one
 direction, a send and a receive call) it is twice that.
 
@@ -169,15 +169,14 @@ def _p2p_rtt(conn: P2PConnector, rank: int, x: torch.Tensor, steps: int) -> list
             for layer in range(LAYERS):
                 meta = AFDTransferMetadata(layer, 0, (n,))
                 t0 = time.perf_counter()
-                handle = conn.send_attn_output(payload, meta)
-                conn.recv_ffn_output(handle)
+                handle = conn.send_dispatch([payload], meta)
+                conn.recv_combine(handle)
                 samples.append(time.perf_counter() - t0)
         else:
-            ctl = conn.recv_control()
+            conn.recv_control()
             for layer in range(LAYERS):
-                meta = ctl.transfer_metadata(layer, 0)
-                (p,) = conn.recv_attn_output(meta)
-                conn.send_ffn_output([p.hidden_states], meta)
+                meta, (p,) = conn.recv_dispatch(layer, 0)
+                conn.send_combine([p.hidden_states], meta)
                 # A service loop is done with a payload once it replied: released, its buffer
                 # is the next receive's (still in cache), as raw overwrites its one buffer.
                 del p
@@ -215,15 +214,14 @@ def _interleaved_rtt(
                     last = None
                     if rank == 0:
                         t0 = time.perf_counter()
-                        last = conn.recv_ffn_output(
-                            conn.send_attn_output(payload, AFDTransferMetadata(layer, 0, (n,)))
-                        )
+                        last = conn.recv_combine(
+                            conn.send_dispatch([payload], AFDTransferMetadata(layer, 0, (n,)))
+                        )[0]
                         p2p_samples.append(time.perf_counter() - t0)
                     else:
                         assert ctl is not None
-                        meta = ctl.transfer_metadata(layer, 0)
-                        (p,) = conn.recv_attn_output(meta)
-                        conn.send_ffn_output([p.hidden_states], meta)
+                        meta, (p,) = conn.recv_dispatch(layer, 0)
+                        conn.send_combine([p.hidden_states], meta)
                         last = p.hidden_states
                         del p
                 else:  # the raw round trip, as in _raw_rtt, into the connector's buffer
@@ -319,20 +317,20 @@ def _p2p_oneway_step(conn: P2PConnector, rank: int, x: torch.Tensor) -> float:
         conn.send_control(AFDControlMessage(((n,),)))
         payload = AFDPayload(x)
         handles = [
-            conn.send_attn_output(payload, AFDTransferMetadata(layer, 0, (n,)))
+            conn.send_dispatch([payload], AFDTransferMetadata(layer, 0, (n,)))
             for layer in range(LAYERS)
         ]
         for h in handles:
-            conn.recv_ffn_output(h)
+            conn.recv_combine(h)
         return 0.0
     t0 = time.perf_counter()
     ctl = conn.recv_control()
     for layer in range(LAYERS):
         # Dropped once received, as a service loop drops a payload once it computed on it.
-        conn.recv_attn_output(ctl.transfer_metadata(layer, 0))
+        conn.recv_dispatch(layer, 0)
     elapsed = time.perf_counter() - t0
     for layer in range(LAYERS):
-        conn.send_ffn_output([x], ctl.transfer_metadata(layer, 0))
+        conn.send_combine([x], ctl.transfer_metadata(layer, 0))
     return elapsed
 
 
@@ -467,18 +465,23 @@ def overhead_us(tokens: int = 16, iters: int = 20000, repeats: int = 7) -> dict[
     ffn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec, num_layers=1)
     for conn in (attn, ffn):  # bypass init: only the Python path is measured
         conn._initialized = True
-        conn._data_pg = _NullGroup()
+        conn._data_pg = conn._ctl_pg = _NullGroup()
     x = torch.randn(tokens, HIDDEN)
     meta = AFDTransferMetadata(0, 0, (tokens,))
+    # One step's control message announces the count every measured call uses (the null group
+    # delivers nothing, so the FFN side is given the message it would have received).
+    control = AFDControlMessage(((tokens,),))
+    attn.send_control(control)
+    ffn._control = control
     payload = AFDPayload(x)
     null = _NullGroup()
 
     def attn_pair() -> None:
-        attn.recv_ffn_output(attn.send_attn_output(payload, meta))
+        attn.recv_combine(attn.send_dispatch([payload], meta))
 
     def ffn_pair() -> None:
-        (p,) = ffn.recv_attn_output(meta)
-        ffn.send_ffn_output([p.hidden_states], meta)
+        _, (p,) = ffn.recv_dispatch(0, 0)
+        ffn.send_combine([p.hidden_states], meta)
 
     def raw_pair() -> None:
         buf = torch.empty(tokens, HIDDEN)

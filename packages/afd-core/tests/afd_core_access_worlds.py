@@ -105,16 +105,16 @@ def pair_rank(
                 n = LAST_ROUND_TOKENS if last else ROUND_TOKENS
                 sent = _payload(rounds, n)
                 conn.send_control(AFDControlMessage(((n,),)))
-                handle = conn.send_attn_output(AFDPayload(sent), AFDTransferMetadata(0, 0, (n,)))
-                got = conn.recv_ffn_output(handle)
+                handle = conn.send_dispatch([AFDPayload(sent)], AFDTransferMetadata(0, 0, (n,)))
+                got = conn.recv_combine(handle)[0]
                 mismatches += int(not torch.equal(got, sent * 2.0))
             else:
                 ctl = conn.recv_control(timeout_s=30.0)
-                meta = ctl.transfer_metadata(0, 0)
-                (payload,) = conn.recv_attn_output(meta)
+                meta, (payload,) = conn.recv_dispatch(0, 0)
                 n = meta.num_tokens[0]
+                mismatches += int(meta != ctl.transfer_metadata(0, 0))
                 mismatches += int(not torch.equal(payload.hidden_states, _payload(rounds, n)))
-                conn.send_ffn_output([payload.hidden_states * 2.0], meta)
+                conn.send_combine([payload.hidden_states * 2.0], meta)
                 last = n == LAST_ROUND_TOKENS
             rounds += 1
             if last:

@@ -128,10 +128,10 @@ def roundtrip_rank(
                         n = counts[stage][role_rank]
                         p = make_payload(spec, seed, step, layer, stage, role_rank, n)
                         meta = AFDTransferMetadata(layer, stage, (n,))
-                        handles.append(conn.send_attn_output(p, meta))
+                        handles.append(conn.send_dispatch([p], meta))
                         sent.append(p)
                     for stage, (h, p) in enumerate(zip(handles, sent, strict=True)):
-                        out = conn.recv_ffn_output(h)
+                        out = conn.recv_combine(h)[0]
                         if stage == 0:
                             ptrs.add(out.data_ptr())
                         expected = ffn_reply(p, layer)
@@ -148,8 +148,9 @@ def roundtrip_rank(
                     report["mismatches"].append((variant, step, "control", ctl.stage_token_counts))
                 for layer in range(NUM_LAYERS):
                     for stage in range(NUM_STAGES):
-                        meta = ctl.transfer_metadata(layer, stage)
-                        payloads = conn.recv_attn_output(meta)
+                        meta, payloads = conn.recv_dispatch(layer, stage)
+                        if meta != ctl.transfer_metadata(layer, stage):
+                            report["mismatches"].append((variant, step, layer, "counts"))
                         for arank, got in zip(served, payloads, strict=True):
                             n = counts[stage][arank]
                             exp = make_payload(spec, seed, step, layer, stage, arank, n)
@@ -161,9 +162,9 @@ def roundtrip_rank(
                                     report["mismatches"].append((variant, step, layer, name))
                         replies = [ffn_reply(p, layer) for p in payloads]
                         if stage == 0:
-                            conn.send_ffn_output(replies, meta)
+                            conn.send_combine(replies, meta)
                         else:  # the concatenated form
-                            conn.send_ffn_output(torch.cat(replies), meta)
+                            conn.send_combine(torch.cat(replies), meta)
         if role is AFDRole.ATTENTION:
             conn.send_control(AFDControlMessage.shutdown_message())
         else:
@@ -258,21 +259,23 @@ def handshake_and_validation_rank(rank: int, port: int) -> dict[str, Any]:
                 0,
             ),
             "not_announced": (AFDPayload(torch.ones(6, 16), torch.ones(6, 8)), (6,), 0),
+            # One FFN rank gets every token: fewer than announced is refused too.
+            "under_announced": (AFDPayload(torch.ones(4, 16), torch.ones(4, 8)), (4,), 0),
             "layer": (AFDPayload(h, logits), (5,), 2),
             "stage": (AFDPayload(h, logits), (5,), 0),
         }
         for name, (payload, counts, layer) in cases.items():
             stage = 1 if name == "stage" else 0
             try:
-                conn.send_attn_output(payload, AFDTransferMetadata(layer, stage, counts))
+                conn.send_dispatch([payload], AFDTransferMetadata(layer, stage, counts))
                 bad[name] = None
             except AFDError as err:
                 bad[name] = _err(err)
         # The good transfer after all rejections: nothing stray reached the FFN rank.
-        handle = conn.send_attn_output(
-            AFDPayload(h * 3, logits * 4), AFDTransferMetadata(0, 0, (5,))
+        handle = conn.send_dispatch(
+            [AFDPayload(h * 3, logits * 4)], AFDTransferMetadata(0, 0, (5,))
         )
-        out["after_bad"] = torch.equal(conn.recv_ffn_output(handle), h * 3 + 1)
+        out["after_bad"] = torch.equal(conn.recv_combine(handle)[0], h * 3 + 1)
     else:
         ctl = conn.recv_control()
         meta = ctl.transfer_metadata(0, 0)
@@ -282,20 +285,17 @@ def handshake_and_validation_rank(rank: int, port: int) -> dict[str, Any]:
             "out_count": [h, h],
         }.items():
             try:
-                conn.send_ffn_output(outputs, meta)
+                conn.send_combine(outputs, meta)
                 bad[name] = None
             except AFDError as err:
                 bad[name] = _err(err)
-        try:
-            conn.recv_attn_output(AFDTransferMetadata(0, 0, (7,)))
-            bad["recv_not_announced"] = None
-        except AFDError as err:
-            bad["recv_not_announced"] = _err(err)
-        (payload,) = conn.recv_attn_output(meta)
-        out["after_bad"] = torch.equal(payload.hidden_states, h * 3) and torch.equal(
-            payload.router_logits, logits * 4
+        got, (payload,) = conn.recv_dispatch(0, 0)
+        out["after_bad"] = (
+            got == meta
+            and torch.equal(payload.hidden_states, h * 3)
+            and torch.equal(payload.router_logits, logits * 4)
         )
-        conn.send_ffn_output([payload.hidden_states + 1], meta)
+        conn.send_combine([payload.hidden_states + 1], meta)
     out["bad"] = bad
     gen_before = conn.generation
     conn.close()
@@ -305,14 +305,15 @@ def handshake_and_validation_rank(rank: int, port: int) -> dict[str, Any]:
     out["generation_advanced"] = conn.generation > gen_before
     if role is AFDRole.ATTENTION:
         conn.send_control(AFDControlMessage(((3,),)))
-        handle = conn.send_attn_output(
-            AFDPayload(torch.full((3, 16), 7.0), torch.zeros(3, 8)), AFDTransferMetadata(1, 0, (3,))
+        handle = conn.send_dispatch(
+            [AFDPayload(torch.full((3, 16), 7.0), torch.zeros(3, 8))],
+            AFDTransferMetadata(1, 0, (3,)),
         )
-        out["reinit_ok"] = torch.equal(conn.recv_ffn_output(handle), torch.full((3, 16), 8.0))
+        out["reinit_ok"] = torch.equal(conn.recv_combine(handle)[0], torch.full((3, 16), 8.0))
     else:
-        ctl = conn.recv_control()
-        (payload,) = conn.recv_attn_output(ctl.transfer_metadata(1, 0))
-        conn.send_ffn_output(payload.hidden_states + 1, ctl.transfer_metadata(1, 0))
+        conn.recv_control()
+        meta, (payload,) = conn.recv_dispatch(1, 0)
+        conn.send_combine(payload.hidden_states + 1, meta)
         out["reinit_ok"] = torch.equal(payload.hidden_states, torch.full((3, 16), 7.0))
     conn.close()
 
@@ -325,13 +326,13 @@ def handshake_and_validation_rank(rank: int, port: int) -> dict[str, Any]:
     try:
         if role is AFDRole.ATTENTION:
             conn.send_control(AFDControlMessage(((2,),)))
-            handle = conn.send_attn_output(
-                AFDPayload(torch.ones(2, 16)), AFDTransferMetadata(1, 0, (2,))
+            handle = conn.send_dispatch(
+                [AFDPayload(torch.ones(2, 16))], AFDTransferMetadata(1, 0, (2,))
             )
-            conn.recv_ffn_output(handle)
+            conn.recv_combine(handle)
         else:
-            ctl = conn.recv_control()
-            conn.recv_attn_output(ctl.transfer_metadata(0, 0))
+            conn.recv_control()
+            conn.recv_dispatch(0, 0)
         out["sequence"] = None
     except AFDError as err:
         out["sequence"] = _err(err)
@@ -376,17 +377,16 @@ def idle_kill_rank(rank: int, port: int) -> dict[str, Any]:
         for _ in range(2):
             if role is AFDRole.ATTENTION:
                 conn.send_control(AFDControlMessage(((2,),)))
-                handle = conn.send_attn_output(
-                    AFDPayload(torch.ones(2, 8)), AFDTransferMetadata(0, 0, (2,))
+                handle = conn.send_dispatch(
+                    [AFDPayload(torch.ones(2, 8))], AFDTransferMetadata(0, 0, (2,))
                 )
-                conn.recv_ffn_output(handle)
+                conn.recv_combine(handle)
                 time.sleep(0.5)
                 os.kill(os.getpid(), signal.SIGKILL)
             else:
-                ctl = conn.recv_control(timeout_s=math.inf)
-                meta = ctl.transfer_metadata(0, 0)
-                (payload,) = conn.recv_attn_output(meta)
-                conn.send_ffn_output([payload.hidden_states], meta)
+                conn.recv_control(timeout_s=math.inf)
+                meta, (payload,) = conn.recv_dispatch(0, 0)
+                conn.send_combine([payload.hidden_states], meta)
     except AFDError as err:
         result = _err(err)
         result["initialized_after"] = conn.is_initialized
@@ -416,18 +416,17 @@ def kill_rank(rank: int, port: int, victim: int, point: str) -> dict[str, Any]:
                 conn.send_control(AFDControlMessage(((10 + role_rank,),)))
                 for layer in range(4):
                     die_if(f"attn_step{step}_layer{layer}")
-                    handle = conn.send_attn_output(
-                        AFDPayload(torch.ones(10 + role_rank, 64)),
+                    handle = conn.send_dispatch(
+                        [AFDPayload(torch.ones(10 + role_rank, 64))],
                         AFDTransferMetadata(layer, 0, (10 + role_rank,)),
                     )
-                    conn.recv_ffn_output(handle)
+                    conn.recv_combine(handle)
             else:
-                ctl = conn.recv_control()
+                conn.recv_control()
                 for layer in range(4):
-                    meta = ctl.transfer_metadata(layer, 0)
-                    payloads = conn.recv_attn_output(meta)
+                    meta, payloads = conn.recv_dispatch(layer, 0)
                     die_if(f"ffn_step{step}_layer{layer}")
-                    conn.send_ffn_output([p.hidden_states for p in payloads], meta)
+                    conn.send_combine([p.hidden_states for p in payloads], meta)
     except AFDError as err:
         result = _err(err)
         result["initialized_after"] = conn.is_initialized
@@ -492,7 +491,7 @@ def recv_ahead_rank(rank: int, port: int, side_port: int) -> dict[str, Any]:
     """1:1 world, 3 layers: the FFN rank's early receives (``recv_ahead``).
 
     1. Step 0: the Attention rank's layer-0 send completes *before* the FFN rank calls
-       ``recv_attn_output`` (the FFN rank waits for a side-channel key the Attention rank sets
+       ``recv_dispatch`` (the FFN rank waits for a side-channel key the Attention rank sets
        only after its send work finished): only a receive posted at ``recv_control`` allows it.
     2. Step 1 stops after layer 0 (a receive stays posted); step 2 announces the same count, so
        the posted receive is kept and every layer arrives exactly.
@@ -516,28 +515,28 @@ def recv_ahead_rank(rank: int, port: int, side_port: int) -> dict[str, Any]:
     def attention_step(step: int, n: int, layers: int) -> None:
         conn.send_control(AFDControlMessage(((n,),)))
         for layer in range(layers):
-            handle = conn.send_attn_output(
-                AFDPayload(data(step, layer, n)), AFDTransferMetadata(layer, 0, (n,))
+            handle = conn.send_dispatch(
+                [AFDPayload(data(step, layer, n))], AFDTransferMetadata(layer, 0, (n,))
             )
             if step == 0 and layer == 0:
-                for work in handle.state.send_works:
+                (state,) = handle.state  # one FFN rank: one pending transfer
+                for work in state.send_works:
                     work.wait(timedelta_s(10))
-                handle.state.send_works = []  # a gloo work completes one wait only
+                state.send_works = []  # a gloo work completes one wait only
                 side.set("sent", "1")
-            reply = conn.recv_ffn_output(handle)
+            reply = conn.recv_combine(handle)[0]
             out["exact"].append(torch.equal(reply, data(step, layer, n) + 1))
 
     def ffn_step(step: int, layers: int) -> None:
-        ctl = conn.recv_control()
+        conn.recv_control()
         if step == 0:
             side.wait(["sent"], timedelta_s(20))
         for layer in range(layers):
-            meta = ctl.transfer_metadata(layer, 0)
-            (payload,) = conn.recv_attn_output(meta)
+            meta, (payload,) = conn.recv_dispatch(layer, 0)
             out["exact"].append(
                 torch.equal(payload.hidden_states, data(step, layer, meta.num_tokens[0]))
             )
-            conn.send_ffn_output([payload.hidden_states + 1], meta)
+            conn.send_combine([payload.hidden_states + 1], meta)
             out["posted_after"].append((step, layer, sorted(s for s, _ in conn._posted)))
 
     try:
@@ -577,25 +576,27 @@ def stream_rank(rank: int, port: int) -> dict[str, Any]:
         if role is AFDRole.ATTENTION:
             conn.send_control(AFDControlMessage(((n,),)))
             handles = [
-                conn.send_attn_output(
-                    AFDPayload(torch.full((n, 8), float(step * 10 + layer))),
+                conn.send_dispatch(
+                    [AFDPayload(torch.full((n, 8), float(step * 10 + layer)))],
                     AFDTransferMetadata(layer, 0, (n,)),
                 )
                 for layer in range(4)
             ]
             # Only the first reply's receive is posted ahead; the others wait their turn.
-            exact.append([t.posted for t in conn._reply_queue[0]] == [True, False, False, False])
+            queue = conn._reply_queue[(0, 1)]  # stage 0, FFN world rank 1
+            exact.append([t.posted for t in queue] == [True, False, False, False])
             for layer in (0, 1, 2, 3) if step == 0 else (2, 0, 3, 1):
-                reply = conn.recv_ffn_output(handles[layer])
+                reply = conn.recv_combine(handles[layer])[0]
                 exact.append(torch.equal(reply, torch.full((n, 8), -float(step * 10 + layer))))
-            exact.append(not conn._reply_queue[0])
+            exact.append(not conn._reply_queue.get((0, 1)))
         else:
             ctl = conn.recv_control()
-            got = [conn.recv_attn_output(ctl.transfer_metadata(layer, 0)) for layer in range(4)]
-            for layer, (payload,) in enumerate(got):
+            got = [conn.recv_dispatch(layer, 0) for layer in range(4)]
+            for layer, (meta, (payload,)) in enumerate(got):
                 want = torch.full((n, 8), float(step * 10 + layer))
                 exact.append(torch.equal(payload.hidden_states, want))
-                conn.send_ffn_output([-payload.hidden_states], ctl.transfer_metadata(layer, 0))
+                exact.append(meta == ctl.transfer_metadata(layer, 0))
+                conn.send_combine([-payload.hidden_states], meta)
             exact.append(not conn._posted)  # nothing posted past the last layer
     if role is AFDRole.ATTENTION:
         conn.send_control(AFDControlMessage.shutdown_message())
@@ -641,14 +642,14 @@ def recv_window_rank(rank: int, port: int) -> dict[str, Any]:
             metas = [AFDTransferMetadata(layer, 0, (n,)) for layer in range(layers)]
             if stream:
                 handles = [
-                    conn.send_attn_output(AFDPayload(data(step, m.layer_idx, n)), m) for m in metas
+                    conn.send_dispatch([AFDPayload(data(step, m.layer_idx, n))], m) for m in metas
                 ]
-                replies = [conn.recv_ffn_output(h) for h in handles]
+                replies = [conn.recv_combine(h)[0] for h in handles]
             else:
                 replies = [
-                    conn.recv_ffn_output(
-                        conn.send_attn_output(AFDPayload(data(step, m.layer_idx, n)), m)
-                    )
+                    conn.recv_combine(
+                        conn.send_dispatch([AFDPayload(data(step, m.layer_idx, n))], m)
+                    )[0]
                     for m in metas
                 ]
             for layer, reply in enumerate(replies):
@@ -658,16 +659,18 @@ def recv_window_rank(rank: int, port: int) -> dict[str, Any]:
             counts = [posted()]
             metas = [ctl.transfer_metadata(layer, 0) for layer in range(layers)]
             if stream:
-                got = [conn.recv_attn_output(m)[0].hidden_states for m in metas]
+                got = [
+                    conn.recv_dispatch(m.layer_idx, m.stage_idx)[1][0].hidden_states for m in metas
+                ]
                 counts.append(posted())
                 for m, hidden in zip(metas, got, strict=True):
-                    conn.send_ffn_output([-hidden], m)
+                    conn.send_combine([-hidden], m)
             else:
                 got = []
                 for m in metas:
-                    (payload,) = conn.recv_attn_output(m)
+                    _, (payload,) = conn.recv_dispatch(m.layer_idx, m.stage_idx)
                     got.append(payload.hidden_states)
-                    conn.send_ffn_output([-payload.hidden_states], m)
+                    conn.send_combine([-payload.hidden_states], m)
                     counts.append(posted())
             for layer, hidden in enumerate(got):
                 out["exact"].append(torch.equal(hidden, data(step, layer, n)))
@@ -742,7 +745,7 @@ def dispatch_rank(
                             for name, t in exp.tensors().items():
                                 if not torch.equal(getattr(got, name), t):
                                     report["mismatches"].append((variant, step, layer, name))
-                        conn.send_ffn_output([ffn_reply(p, layer) for p in payloads], meta)
+                        conn.send_combine([ffn_reply(p, layer) for p in payloads], meta)
                 assert ctl.num_stages == NUM_STAGES
         if role is AFDRole.ATTENTION:
             conn.send_control(AFDControlMessage.shutdown_message())
@@ -829,16 +832,15 @@ def replaced_ffn_proc(proc: int, port: int, liveness_s: float) -> dict[str, Any]
 
     def attention_step(value: float) -> bool:
         conn.send_control(AFDControlMessage(((2,),)))
-        handle = conn.send_attn_output(
-            AFDPayload(torch.full((2, 8), value)), AFDTransferMetadata(0, 0, (2,))
+        handle = conn.send_dispatch(
+            [AFDPayload(torch.full((2, 8), value))], AFDTransferMetadata(0, 0, (2,))
         )
-        return torch.equal(conn.recv_ffn_output(handle), torch.full((2, 8), value + proc_tag))
+        return torch.equal(conn.recv_combine(handle)[0], torch.full((2, 8), value + proc_tag))
 
     def ffn_step(tag: float) -> None:
-        ctl = conn.recv_control(timeout_s=math.inf)
-        meta = ctl.transfer_metadata(0, 0)
-        (payload,) = conn.recv_attn_output(meta)
-        conn.send_ffn_output([payload.hidden_states + tag], meta)
+        conn.recv_control(timeout_s=math.inf)
+        meta, (payload,) = conn.recv_dispatch(0, 0)
+        conn.send_combine([payload.hidden_states + tag], meta)
 
     if proc == 0:
         conn.init()

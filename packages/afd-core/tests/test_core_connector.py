@@ -48,22 +48,22 @@ class LoopbackConnector(AFDConnectorBase):
     def is_initialized(self) -> bool:
         return self._up
 
-    def send_attn_output(
-        self, payload: AFDPayload, metadata: AFDTransferMetadata
+    def send_dispatch(
+        self, payloads: Sequence[AFDPayload], metadata: AFDTransferMetadata
     ) -> AFDTransferHandle:
-        return AFDTransferHandle(metadata, payload.hidden_states * 2, id(self))
+        return AFDTransferHandle(metadata, [p.hidden_states * 2 for p in payloads], id(self))
 
-    def recv_ffn_output(
-        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
         handle.consume()
-        result: torch.Tensor = handle.state
+        result: list[torch.Tensor] = handle.state
         return result
 
-    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
-        return []
+    def recv_dispatch(
+        self, layer_idx: int, stage_idx: int
+    ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
+        return AFDTransferMetadata(layer_idx, stage_idx, (0,)), []
 
-    def send_ffn_output(
+    def send_combine(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
     ) -> None:
         return None
@@ -112,10 +112,10 @@ def test_register_and_create(loopback: None) -> None:
     assert conn.device == torch.device("cpu")
     with conn:
         assert conn.is_initialized
-        h = conn.send_attn_output(AFDPayload(torch.ones(2, 4)), AFDTransferMetadata(0, 0, (2,)))
-        assert torch.equal(conn.recv_ffn_output(h), torch.full((2, 4), 2.0))
+        h = conn.send_dispatch([AFDPayload(torch.ones(2, 4))], AFDTransferMetadata(0, 0, (2,)))
+        assert torch.equal(conn.recv_combine(h)[0], torch.full((2, 4), 2.0))
         with pytest.raises(AFDConnectorError, match="already received"):
-            conn.recv_ffn_output(h)
+            conn.recv_combine(h)
         assert h.consumed
     assert not conn.is_initialized
     # No control plane by default: a clear error, not a silent no-op.

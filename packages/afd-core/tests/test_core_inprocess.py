@@ -100,9 +100,9 @@ def _ffn_serve(f: Any, scale: float) -> Callable[[], int]:
                 return steps
             for layer in range(2):
                 for stage in range(ctl.num_stages):
-                    meta = ctl.transfer_metadata(layer, stage)
-                    payloads = f.recv_attn_output(meta)
-                    f.send_ffn_output([p.hidden_states * scale for p in payloads], meta)
+                    meta, payloads = f.recv_dispatch(layer, stage)
+                    assert meta == ctl.transfer_metadata(layer, stage)
+                    f.send_combine([p.hidden_states * scale for p in payloads], meta)
             steps += 1
 
     return serve
@@ -120,13 +120,13 @@ def test_two_attention_ranks_round_trip_with_an_empty_stage() -> None:
         a.send_control(AFDControlMessage(((counts[0],), (counts[1],))))
         for layer in range(2):
             handles = [
-                a.send_attn_output(
-                    AFDPayload(torch.full((n, 4), float(layer + 1))),
+                a.send_dispatch(
+                    [AFDPayload(torch.full((n, 4), float(layer + 1)))],
                     AFDTransferMetadata(layer, s, (n,)),
                 )
                 for s, n in enumerate(counts)
             ]
-            sums += [float(a.recv_ffn_output(h).sum()) for h in handles]
+            sums += [float(a.recv_combine(h)[0].sum()) for h in handles]
         a.send_control(AFDControlMessage.shutdown_message())
         a.close()
         return sums
@@ -149,7 +149,7 @@ def test_expert_parallel_dispatch_and_combine() -> None:
         f.init()
         f.recv_control()
         meta, payloads = f.recv_dispatch(1, 0)
-        f.send_ffn_output([p.hidden_states + 10 * (r + 1) for p in payloads], meta)
+        f.send_combine([p.hidden_states + 10 * (r + 1) for p in payloads], meta)
         return meta.num_tokens
 
     def attention() -> list[torch.Tensor]:
@@ -177,14 +177,14 @@ def test_header_mismatch_is_a_protocol_error() -> None:
     a, f = conn("attention", port), conn("ffn", port)
     in_threads(a.init, f.init)
     a.send_control(AFDControlMessage(((1,),)))
-    a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(1, 0, (1,)))
+    a.send_dispatch([AFDPayload(torch.ones(1, 4))], AFDTransferMetadata(1, 0, (1,)))
     f.recv_control()
     with pytest.raises(AFDProtocolError, match="expected layer 0"):
-        f.recv_attn_output(AFDTransferMetadata(0, 0, (1,)))
+        f.recv_dispatch(0, 0)
     assert not f.is_initialized  # a failure closes the rank and is published
     with pytest.raises(AFDPeerError, match="world rank 1"):
-        a.recv_ffn_output(
-            a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(0, 0, (1,)))
+        a.recv_combine(
+            a.send_dispatch([AFDPayload(torch.ones(1, 4))], AFDTransferMetadata(0, 0, (1,)))
         )
     a.close()
 
@@ -206,11 +206,12 @@ def test_rounds_reinit_and_duplicate_claim() -> None:
     assert a.peer_failure() is None and f.peer_failure() is None
     a.send_control(AFDControlMessage(((2,),)))
     meta = AFDTransferMetadata(0, 0, (2,))
-    handle = a.send_attn_output(AFDPayload(torch.ones(2, 4)), meta)
+    handle = a.send_dispatch([AFDPayload(torch.ones(2, 4))], meta)
     f.recv_control()
-    (payload,) = f.recv_attn_output(meta)
-    f.send_ffn_output(payload.hidden_states * 2, meta)
-    assert torch.equal(a.recv_ffn_output(handle), torch.full((2, 4), 2.0))
+    got, (payload,) = f.recv_dispatch(0, 0)
+    assert got == meta
+    f.send_combine(payload.hidden_states * 2, got)
+    assert torch.equal(a.recv_combine(handle)[0], torch.full((2, 4), 2.0))
     a.close()
     f.close()
     in_threads(a.init, f.init)  # round 2: the attention rank opens it, the FFN rank joins
@@ -235,10 +236,10 @@ def test_goodbye_ends_a_pending_wait_and_is_seen_by_the_watcher() -> None:
     a, f = conn("attention", port), conn("ffn", port)
     in_threads(a.init, f.init)
     a.send_control(AFDControlMessage(((2,),)))
-    handle = a.send_attn_output(AFDPayload(torch.ones(2, 4)), AFDTransferMetadata(0, 0, (2,)))
+    handle = a.send_dispatch([AFDPayload(torch.ones(2, 4))], AFDTransferMetadata(0, 0, (2,)))
     f.close()  # a clean leave, never replying
     with pytest.raises(AFDPeerError) as info:
-        a.recv_ffn_output(handle)
+        a.recv_combine(handle)
     assert info.value.rank == 1 and info.value.stage == "goodbye"
     assert isinstance(a.peer_failure(), AFDPeerError)
 
@@ -282,16 +283,16 @@ def test_abort_and_timeout_reach_the_waiting_peer() -> None:
     a, f = conn("attention", port, timeout_s=0.5), conn("ffn", port, timeout_s=0.5)
     in_threads(a.init, f.init)
     a.send_control(AFDControlMessage(((1,),)))
-    handle = a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(0, 0, (1,)))
+    handle = a.send_dispatch([AFDPayload(torch.ones(1, 4))], AFDTransferMetadata(0, 0, (1,)))
     with pytest.raises(AFDTimeoutError, match=r"did not complete within 0\.5s"):
-        a.recv_ffn_output(handle)  # the FFN rank never replies
+        a.recv_combine(handle)  # the FFN rank never replies
     f.abort("compute", "planted compute error")
     in_threads(a.init, f.init)
     a.send_control(AFDControlMessage(((1,),)))
-    handle = a.send_attn_output(AFDPayload(torch.ones(1, 4)), AFDTransferMetadata(0, 0, (1,)))
+    handle = a.send_dispatch([AFDPayload(torch.ones(1, 4))], AFDTransferMetadata(0, 0, (1,)))
     f.abort("compute", "planted compute error")
     with pytest.raises(AFDPeerError) as info:
-        a.recv_ffn_output(handle)
+        a.recv_combine(handle)
     assert (info.value.rank, info.value.stage) == (1, "compute")
     assert "planted compute error" in str(info.value)
 

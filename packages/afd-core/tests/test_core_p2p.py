@@ -151,6 +151,7 @@ def test_handshake_mismatch_validation_and_reinit() -> None:
         "logits_dtype": "router_logits",
         "extra_field": "input_ids",
         "not_announced": "num_tokens",
+        "under_announced": "num_tokens",
         "layer": "layer_idx",
         "stage": "stage_idx",
     }
@@ -158,12 +159,14 @@ def test_handshake_mismatch_validation_and_reinit() -> None:
         "out_rows": "outputs",
         "out_dtype": "outputs",
         "out_count": "outputs",
-        "recv_not_announced": "num_tokens",
     }
     # Sequence check: the FFN side detects the out-of-order layer; the Attention side is
     # released with a peer error naming the FFN rank; both connectors are torn down.
     assert results[1]["sequence"]["type"] == "AFDProtocolError"
-    assert "sequence check failed" in results[1]["sequence"]["msg"]
+    assert (
+        "world rank 0 sent header (layer, stage, tokens)=(1, 0, 2); expected layer 0, stage 0"
+        in results[1]["sequence"]["msg"]
+    )
     assert results[0]["sequence"]["type"] == "AFDPeerError"
     assert results[0]["sequence"]["rank"] == 1
     assert results[0]["sequence_initialized_after"] is False
@@ -219,12 +222,12 @@ def test_uninitialized_and_wrong_role_raise_before_io() -> None:
     assert not attn.is_initialized
     meta = AFDTransferMetadata(0, 0, (1,))
     with pytest.raises(AFDNotInitializedError):
-        attn.send_attn_output(AFDPayload(torch.zeros(1, 4)), meta)
+        attn.send_dispatch([AFDPayload(torch.zeros(1, 4))], meta)
     with pytest.raises(AFDNotInitializedError):
         attn.send_control(AFDControlMessage(((1,),)))
     ffn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=1)
     with pytest.raises(AFDNotInitializedError):
-        ffn.recv_attn_output(meta)
+        ffn.recv_dispatch(0, 0)
     with pytest.raises(AFDNotInitializedError):
         ffn.recv_control()
     assert ffn.served_world_ranks == (0,)
@@ -320,7 +323,7 @@ def test_handshake_fields_cover_contract() -> None:
     fields = conn.handshake_fields()
     assert fields["hidden_size"] == 8 and fields["dtype"] == "bfloat16"
     assert fields["num_layers"] == 5 and fields["topology"] == [3, 2]
-    assert fields["protocol_version"] == 6
+    assert fields["protocol_version"] == 7
     assert fields["role"] == "ffn" and fields["role_agreement"] == {}
     assert fields["model_identity"] == {}
     assert fields["config_hash"] == conn.config.agreement_hash()
@@ -423,7 +426,7 @@ def test_ffn_rejects_a_step_that_conflicts_with_a_posted_receive() -> None:
 def test_stream_of_layers_before_replies_is_exact() -> None:
     results = ok(run_world(worlds.stream_rank, 2, free_port(), timeout_s=50))
     assert results[0]["exact"] == [True] * 12
-    assert results[1]["exact"] == [True] * 10
+    assert results[1]["exact"] == [True] * 18  # per step: 4 payloads, 4 metadata, none posted
 
 
 @pytest.mark.timeout(60)
@@ -503,11 +506,9 @@ def test_stream_ordered_backends_post_no_receive_ahead() -> None:
     group = _bypass_init(attn)
     attn.send_control(AFDControlMessage(((2,),)))
     x = torch.ones(2, 4)
-    handles = [
-        attn.send_attn_output(AFDPayload(x), AFDTransferMetadata(i, 0, (2,))) for i in (0, 1)
-    ]
+    handles = [attn.send_dispatch([AFDPayload(x)], AFDTransferMetadata(i, 0, (2,))) for i in (0, 1)]
     for handle in handles:
-        attn.recv_ffn_output(handle)
+        attn.recv_combine(handle)
     assert (
         group.ops
         == [("send", 1), ("send", data_tag), ("send", data_tag)] + [("recv", reply_tag)] * 2
@@ -520,15 +521,15 @@ def test_stream_ordered_backends_post_no_receive_ahead() -> None:
     ffn._control = control
     ffn._post_step_recvs(control)
     for layer in range(2):
-        meta = control.transfer_metadata(layer, 0)
-        (payload,) = ffn.recv_attn_output(meta)
-        ffn.send_ffn_output([payload.hidden_states], meta)
+        meta, (payload,) = ffn.recv_dispatch(layer, 0)
+        assert meta == control.transfer_metadata(layer, 0)
+        ffn.send_combine([payload.hidden_states], meta)
     assert group.ops == [("recv", data_tag), ("send", reply_tag)] * 2 and ffn._posted == {}
     # On gloo the same calls post the receives ahead (the reply's before the data's send).
     gloo = P2PConnector(cfg, payload_spec=spec(), num_layers=4)
     group = _bypass_init(gloo)
     gloo.send_control(AFDControlMessage(((2,),)))
-    gloo.recv_ffn_output(gloo.send_attn_output(AFDPayload(x), AFDTransferMetadata(0, 0, (2,))))
+    gloo.recv_combine(gloo.send_dispatch([AFDPayload(x)], AFDTransferMetadata(0, 0, (2,))))
     assert group.ops == [("send", 1), ("recv", reply_tag), ("send", data_tag)]
 
 
@@ -548,7 +549,7 @@ def test_ffn_posts_ahead_only_on_stages_with_a_window() -> None:
     assert group.ops == [("recv", stage0)]  # request/reply so far: one receive ahead
     # A stream on stage 1 (two layers received before any reply): posted when asked, only.
     for layer in (0, 1):
-        (payload,) = ffn.recv_attn_output(control.transfer_metadata(layer, 1))
+        _, (payload,) = ffn.recv_dispatch(layer, 1)
         assert payload.hidden_states.shape == (8, 4)
     assert group.ops == [("recv", stage0), ("recv", stage1), ("recv", stage1)]
     assert (0, ffn.served_world_ranks[0]) in ffn._posted and len(ffn._posted) == 1
@@ -578,9 +579,9 @@ def test_ffn_receive_that_cannot_be_posted_fails_naming_the_peer(check_sequence:
     control = AFDControlMessage(((2,),))
     ffn._control = control
     with pytest.raises(AFDPeerError) as info:
-        ffn.recv_attn_output(control.transfer_metadata(0, 0))
+        ffn.recv_dispatch(0, 0)
     assert info.value.rank == ffn.served_world_ranks[0]
-    assert info.value.stage == "recv_attn_output"
+    assert info.value.stage == "recv_dispatch"
     assert "Connection closed by peer" in str(info.value)
     assert not ffn.is_initialized
 

@@ -133,29 +133,34 @@ class InProcessConnector(AFDConnectorBase):
     def is_initialized(self) -> bool:
         return True
 
-    def send_attn_output(self, payload: Any, metadata: Any) -> AFDTransferHandle:
-        self.payload_spec.validate_payload(payload, metadata.num_tokens[0], "cpu")
+    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
+        for payload, n in zip(payloads, metadata.num_tokens, strict=True):
+            self.payload_spec.validate_payload(payload, n, "cpu")
+            if payload.input_ids is not None:
+                self.input_ids.append(payload.input_ids.clone())
         self.layers.append(metadata.layer_idx)
-        if payload.input_ids is not None:
-            self.input_ids.append(payload.input_ids.clone())
-        return AFDTransferHandle(metadata, payload, id(self))
+        return AFDTransferHandle(metadata, list(payloads), id(self))
 
-    def recv_ffn_output(self, handle: AFDTransferHandle, out: Any = None) -> torch.Tensor:
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
         from afd_runtime.compute import NativeFusedMoECompute
         from afd_runtime.workers.base import _vllm_forward_context
 
         handle.consume()
-        payload = handle.state
         compute = NativeFusedMoECompute(
             self.ffn_model, lambda n: _vllm_forward_context(self.ffn_cfg, n)
         )
-        kw = {} if payload.input_ids is None else {"input_ids": payload.input_ids}
-        return compute(  # type: ignore[no-any-return]
-            handle.metadata.layer_idx, payload.hidden_states, payload.router_logits, **kw
-        )
+        outs = []
+        for payload in handle.state:
+            kw = {} if payload.input_ids is None else {"input_ids": payload.input_ids}
+            outs.append(
+                compute(
+                    handle.metadata.layer_idx, payload.hidden_states, payload.router_logits, **kw
+                )
+            )
+        return outs
 
-    def recv_attn_output(self, metadata: Any) -> list[Any]:
+    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
         raise NotImplementedError
 
-    def send_ffn_output(self, outputs: Any, metadata: Any) -> None:
+    def send_combine(self, outputs: Any, metadata: Any) -> None:
         raise NotImplementedError

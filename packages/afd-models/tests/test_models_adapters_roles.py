@@ -189,27 +189,31 @@ class _InProcessConnector(AFDConnectorBase):
     def is_initialized(self) -> bool:
         return True
 
-    def send_attn_output(self, payload: Any, metadata: Any) -> AFDTransferHandle:
-        self.payload_spec.validate_payload(payload, metadata.num_tokens[0], "cpu")
+    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
+        for payload, n in zip(payloads, metadata.num_tokens, strict=True):
+            self.payload_spec.validate_payload(payload, n, "cpu")
         self.layers.append(metadata.layer_idx)
-        handle = AFDTransferHandle(metadata, payload, id(self))
+        handle = AFDTransferHandle(metadata, list(payloads), id(self))
         return handle
 
-    def recv_ffn_output(self, handle: AFDTransferHandle, out: Any = None) -> torch.Tensor:
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
         from afd_runtime.workers.base import _vllm_forward_context
 
         handle.consume()
-        payload = handle.state
-        n = handle.metadata.num_tokens[0]
-        with _vllm_forward_context(self.ffn_cfg, n):
-            return self.ffn_model.afd_ffn_forward(  # type: ignore[no-any-return]
-                handle.metadata.layer_idx, payload.hidden_states, payload.router_logits
-            )
+        outs = []
+        for payload, n in zip(handle.state, handle.metadata.num_tokens, strict=True):
+            with _vllm_forward_context(self.ffn_cfg, n):
+                outs.append(
+                    self.ffn_model.afd_ffn_forward(
+                        handle.metadata.layer_idx, payload.hidden_states, payload.router_logits
+                    )
+                )
+        return outs
 
-    def recv_attn_output(self, metadata: Any) -> list[Any]:
+    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
         raise NotImplementedError
 
-    def send_ffn_output(self, outputs: Any, metadata: Any) -> None:
+    def send_combine(self, outputs: Any, metadata: Any) -> None:
         raise NotImplementedError
 
 
@@ -300,7 +304,6 @@ class _InProcessExpertParallel(AFDConnectorBase):
     """Expert-parallel afd-core connector running every FFN rank's model in-process."""
 
     name = "test-in-process-ep"
-    supports_expert_parallel = True
 
     def __init__(self, attn_cfg: Any, attn_model: Any, ffns: list[tuple[Any, Any]]) -> None:
         from afd_models.models._common import afd_config_of
@@ -320,18 +323,6 @@ class _InProcessExpertParallel(AFDConnectorBase):
     @property
     def is_initialized(self) -> bool:
         return True
-
-    def send_attn_output(self, payload: Any, metadata: Any) -> AFDTransferHandle:
-        raise NotImplementedError
-
-    def recv_ffn_output(self, handle: AFDTransferHandle, out: Any = None) -> torch.Tensor:
-        raise NotImplementedError
-
-    def recv_attn_output(self, metadata: Any) -> list[Any]:
-        raise NotImplementedError
-
-    def send_ffn_output(self, outputs: Any, metadata: Any) -> None:
-        raise NotImplementedError
 
     def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
         self.counts.append(metadata.num_tokens)
@@ -357,6 +348,12 @@ class _InProcessExpertParallel(AFDConnectorBase):
                     )
                 )
         return outs
+
+    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
+        raise NotImplementedError
+
+    def send_combine(self, outputs: Any, metadata: Any) -> None:
+        raise NotImplementedError
 
 
 @pytest.mark.parametrize("family", EP_FAMILIES)

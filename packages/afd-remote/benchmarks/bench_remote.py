@@ -63,22 +63,22 @@ class EchoConnector(AFDConnectorBase):
     def is_initialized(self) -> bool:
         return True
 
-    def send_attn_output(
-        self, payload: AFDPayload, metadata: AFDTransferMetadata
+    def send_dispatch(
+        self, payloads: Sequence[AFDPayload], metadata: AFDTransferMetadata
     ) -> AFDTransferHandle:
-        return AFDTransferHandle(metadata, payload.hidden_states, id(self))
+        return AFDTransferHandle(metadata, [p.hidden_states for p in payloads], id(self))
 
-    def recv_ffn_output(
-        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
         handle.consume()
-        result: torch.Tensor = handle.state
+        result: list[torch.Tensor] = handle.state
         return result
 
-    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
+    def recv_dispatch(
+        self, layer_idx: int, stage_idx: int
+    ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
         raise NotImplementedError
 
-    def send_ffn_output(
+    def send_combine(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
     ) -> None:
         raise NotImplementedError

@@ -146,7 +146,7 @@ def _ffn_staged(conn: AFDConnectorBase, topo: AFDTopology, ffn_rank: int) -> lis
             for p in payloads:
                 w, i = emap.localise(ffn_rank, p.topk_weights, p.topk_ids)
                 outs.append(toy_partial(p.hidden_states, w, mine[i.long()]))
-            conn.send_ffn_output(outs, meta)
+            conn.send_combine(outs, meta)
     return received
 
 
@@ -162,7 +162,7 @@ def _ffn(conn: AFDConnectorBase, topo: AFDTopology, ffn_rank: int) -> dict[str, 
         for p in payloads:
             w, i = emap.localise(ffn_rank, p.topk_weights, p.topk_ids)
             outs.append(toy_partial(p.hidden_states, w, mine[i.long()]))
-        conn.send_ffn_output(outs, meta)
+        conn.send_combine(outs, meta)
     staged = _ffn_staged(conn, topo, ffn_rank)
     shutdown = conn.recv_control().shutdown
     return {

@@ -160,8 +160,9 @@ def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int, variant: str) -> 
         problems.append(f"control counts {ctl.stage_token_counts}")
     for layer in range(LAYERS):
         for s in range(STAGES):
-            meta = ctl.transfer_metadata(layer, s)
-            payloads = conn.recv_attn_output(meta)
+            meta, payloads = conn.recv_dispatch(layer, s)
+            if meta.num_tokens != ctl.transfer_metadata(layer, s).num_tokens:
+                problems.append(f"dispatch counts {meta.num_tokens} l{layer} s{s}")
             for arank, payload in zip(served, payloads, strict=True):
                 logits = logits_for(arank, layer, s)
                 if variant in ("router_logits_forward", "overlapped") and not torch.equal(
@@ -181,7 +182,7 @@ def _ffn(conn: P2PConnector, topo: AFDTopology, ffn_rank: int, variant: str) -> 
                         problems.append(f"topk a{arank} l{layer} s{s}")
             if variant == "overlapped":
                 time.sleep(rng.uniform(0, MAX_DELAY_S))
-            conn.send_ffn_output([p.hidden_states * 2 + layer for p in payloads], meta)
+            conn.send_combine([p.hidden_states * 2 + layer for p in payloads], meta)
     if not conn.recv_control().shutdown:
         problems.append("no shutdown message")
     return problems

@@ -1,10 +1,12 @@
 """Test helpers for afd-remote (not a test module): a recording Attention-side connector.
 
-``RecordingConnector`` subclasses afd-core's ``AFDConnectorBase``. ``send_attn_output`` checks
-the payload against the connector's payload spec (as a real connector does), records the call
-with clones of every payload tensor into a shared event log and computes the "FFN" output with a
-row-wise function; ``recv_ffn_output`` consumes the handle, records the call and returns that
-output. The FFN-side methods are not used on the Attention side and raise.
+``RecordingConnector`` subclasses afd-core's ``AFDConnectorBase``. ``send_dispatch`` checks
+each payload against the connector's payload spec (as a real connector does), records the call
+with clones of every payload tensor into a shared event log (one FFN rank: the payload's own
+field names; several: ``name[f]``) and computes the "FFN" output of each payload with a row-wise
+function; ``recv_combine`` consumes the handle, records the call and returns those outputs (one
+per FFN rank). The FFN-side methods (``recv_dispatch``/``send_combine``) are not used on the
+Attention side and raise.
 """
 
 from __future__ import annotations
@@ -66,34 +68,41 @@ class RecordingConnector(AFDConnectorBase):
     def is_initialized(self) -> bool:
         return self._initialized
 
-    def send_attn_output(
-        self, payload: AFDPayload, metadata: AFDTransferMetadata
+    def send_dispatch(
+        self, payloads: Sequence[AFDPayload], metadata: AFDTransferMetadata
     ) -> AFDTransferHandle:
-        self.payload_spec.validate_payload(payload, metadata.num_tokens[0], "cpu")
-        self.log.append(
-            Event(
-                "send",
-                metadata.layer_idx,
-                metadata.stage_idx,
-                metadata.num_tokens,
-                {k: v.clone() for k, v in payload.tensors().items()},
+        if len(payloads) != len(metadata.num_tokens):
+            raise AFDConnectorError(
+                f"RecordingConnector: {len(payloads)} payloads for counts {metadata.num_tokens}"
             )
+        for payload, count in zip(payloads, metadata.num_tokens, strict=True):
+            self.payload_spec.validate_payload(payload, count, "cpu")
+        if len(payloads) == 1:
+            tensors = {k: v.clone() for k, v in payloads[0].tensors().items()}
+        else:
+            tensors = {
+                f"{k}[{f}]": v.clone()
+                for f, payload in enumerate(payloads)
+                for k, v in payload.tensors().items()
+            }
+        self.log.append(
+            Event("send", metadata.layer_idx, metadata.stage_idx, metadata.num_tokens, tensors)
         )
-        return AFDTransferHandle(metadata, self.ffn(payload, metadata), id(self))
+        return AFDTransferHandle(metadata, [self.ffn(p, metadata) for p in payloads], id(self))
 
-    def recv_ffn_output(
-        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
         handle.consume()
         meta = handle.metadata
         self.log.append(Event("recv", meta.layer_idx, meta.stage_idx, meta.num_tokens))
-        result: torch.Tensor = handle.state
+        result: list[torch.Tensor] = handle.state
         return result
 
-    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
+    def recv_dispatch(
+        self, layer_idx: int, stage_idx: int
+    ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
         raise AFDConnectorError("RecordingConnector is Attention-side only")
 
-    def send_ffn_output(
+    def send_combine(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
     ) -> None:
         raise AFDConnectorError("RecordingConnector is Attention-side only")

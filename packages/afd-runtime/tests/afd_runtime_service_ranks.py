@@ -2,7 +2,7 @@
 in-process connector (``CONNECTOR``), or by spawned children by name (the SIGTERM test).
 
 The Attention ranks drive afd-core's connector directly (control message, then per layer
-``send_attn_output`` / ``recv_ffn_output``), as the Attention worker and afd-remote's proxy do in
+``send_dispatch`` / ``recv_combine``), as the Attention worker and afd-remote's proxy do in
 serving; the FFN rank runs :class:`afd_runtime.ffn_service.FFNService` on the same connector.
 """
 
@@ -157,7 +157,7 @@ def attention_main(
         conn.send_control(AFDControlMessage(((n,),)))
         for layer in LAYERS:
             meta = AFDTransferMetadata(layer, 0, (n,))
-            got = conn.recv_ffn_output(conn.send_attn_output(AFDPayload(hidden), meta))
+            got = conn.recv_combine(conn.send_dispatch([AFDPayload(hidden)], meta))[0]
             results.append(torch.equal(got, hidden * (layer + 1)))
     error = None
     if mode == "fail":
@@ -166,7 +166,7 @@ def attention_main(
             conn.send_control(AFDControlMessage(((13,),)))
             for layer in LAYERS:
                 meta = AFDTransferMetadata(layer, 0, (13,))
-                conn.recv_ffn_output(conn.send_attn_output(AFDPayload(hidden), meta))
+                conn.recv_combine(conn.send_dispatch([AFDPayload(hidden)], meta))
         except AFDPeerError as exc:
             error = f"{type(exc).__name__}: {exc}"
     barrier.wait(120)  # attention rank 0 hosts the store: nobody leaves before all are done
@@ -354,7 +354,7 @@ def ids_attention_main(port: int, rank: int, q: Any, barrier: Any) -> None:
         for layer in LAYERS:
             meta = AFDTransferMetadata(layer, 0, (n,))
             payload = AFDPayload(hidden, input_ids=ids)
-            got = conn.recv_ffn_output(conn.send_attn_output(payload, meta))
+            got = conn.recv_combine(conn.send_dispatch([payload], meta))[0]
             results.append(torch.equal(got, hidden * (layer + 1) + ids.unsqueeze(1).float()))
     barrier.wait(120)
     conn.send_control(AFDControlMessage.shutdown_message())

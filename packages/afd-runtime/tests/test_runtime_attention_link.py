@@ -60,16 +60,18 @@ class FakeConnector(AFDConnectorBase):
     def send_control(self, message: AFDControlMessage) -> None:
         self.calls.append("goodbye" if message.shutdown else "control")
 
-    def send_attn_output(self, payload: AFDPayload, metadata: AFDTransferMetadata) -> Any:
-        return AFDTransferHandle(metadata, payload.hidden_states, id(self))
+    def send_dispatch(self, payloads: Any, metadata: AFDTransferMetadata) -> Any:
+        return AFDTransferHandle(metadata, [p.hidden_states for p in payloads], id(self))
 
-    def recv_ffn_output(self, handle: AFDTransferHandle, out: Any = None) -> torch.Tensor:
-        return handle.state
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
+        return list(handle.state)
 
-    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
+    def recv_dispatch(
+        self, layer_idx: int, stage_idx: int
+    ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
         raise NotImplementedError  # FFN side: unused here
 
-    def send_ffn_output(self, outputs: Any, metadata: AFDTransferMetadata) -> None:
+    def send_combine(self, outputs: Any, metadata: AFDTransferMetadata) -> None:
         raise NotImplementedError  # FFN side: unused here
 
 

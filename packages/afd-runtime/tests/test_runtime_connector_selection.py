@@ -44,6 +44,7 @@ class RecordingConnector(AFDConnectorBase):
         self.calls: list[tuple[Any, ...]] = []
         self.ready = False
         self.released = threading.Event()
+        self._control: AFDControlMessage | None = None  # the last one received (FFN side)
         RecordingConnector.built.append(self)
 
     def init(self) -> None:
@@ -67,31 +68,35 @@ class RecordingConnector(AFDConnectorBase):
         self.calls.append(("send_control", message))
 
     def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
-        return RecordingConnector.script.pop(0)
+        self._control = RecordingConnector.script.pop(0)
+        return self._control
 
-    def send_attn_output(
-        self, payload: AFDPayload, metadata: AFDTransferMetadata
+    def send_dispatch(
+        self, payloads: Sequence[AFDPayload], metadata: AFDTransferMetadata
     ) -> AFDTransferHandle:
-        self.calls.append(("send_attn_output", metadata))
-        return AFDTransferHandle(metadata, payload.hidden_states * 2, id(self))
+        self.calls.append(("send_dispatch", metadata))
+        return AFDTransferHandle(metadata, [p.hidden_states * 2 for p in payloads], id(self))
 
-    def recv_ffn_output(
-        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
         handle.consume()
-        return handle.state
+        return list(handle.state)
 
-    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
-        self.calls.append(("recv_attn_output", metadata))
-        return [
+    def recv_dispatch(
+        self, layer_idx: int, stage_idx: int
+    ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
+        # The counts of the step's control message, as a real connector's headers carry them.
+        assert self._control is not None
+        metadata = self._control.transfer_metadata(layer_idx, stage_idx)
+        self.calls.append(("recv_dispatch", metadata))
+        return metadata, [
             AFDPayload(torch.full((n, HIDDEN), 10.0 * peer + metadata.layer_idx))
             for peer, n in enumerate(metadata.num_tokens)
         ]
 
-    def send_ffn_output(
+    def send_combine(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
     ) -> None:
-        self.calls.append(("send_ffn_output", metadata, outputs))
+        self.calls.append(("send_combine", metadata, outputs))
 
 
 @pytest.fixture
@@ -118,9 +123,7 @@ def test_attention_forward_announces_and_installs_the_selected_connector(
             assert meta.connector is connector and meta.num_tokens == (input_ids.shape[0],)
             h = torch.ones(input_ids.shape[0], HIDDEN)
             md = AFDTransferMetadata(1, 0, (input_ids.shape[0],))
-            return meta.connector.recv_ffn_output(
-                meta.connector.send_attn_output(AFDPayload(h), md)
-            )
+            return meta.connector.recv_combine(meta.connector.send_dispatch([AFDPayload(h)], md))[0]
 
     model = Model()
     link = AttentionLink(connector)
@@ -128,7 +131,7 @@ def test_attention_forward_announces_and_installs_the_selected_connector(
     install_step_hook(model, link)  # idempotent: one announcement per forward
     out = model(torch.zeros(3, dtype=torch.long), torch.arange(3))
     assert torch.equal(out, torch.full((3, HIDDEN), 2.0))
-    assert [c[0] for c in connector.calls] == ["send_control", "send_attn_output"]
+    assert [c[0] for c in connector.calls] == ["send_control", "send_dispatch"]
     assert connector.calls[0][1] == AFDControlMessage(((3,),))
     say_goodbye(connector)
     assert connector.calls[-2:] == [
@@ -177,10 +180,11 @@ def test_ffn_service_batches_its_peers_through_the_selected_connector(
     ]
     assert torch.equal(computed[0][1][:2], torch.full((2, HIDDEN), 1.0))
     assert torch.equal(computed[0][1][2:], torch.full((3, HIDDEN), 11.0))
-    sent = [c for c in first.calls if c[0] == "send_ffn_output"]
+    sent = [c for c in first.calls if c[0] == "send_combine"]
     assert [c[1].num_tokens for c in sent] == [(2, 3), (2, 3), (0, 0), (0, 0), (1, 0), (1, 0)]
     assert torch.equal(sent[0][2], computed[0][1] + 1)
-    assert tuple(sent[2][2].shape) == (0, HIDDEN)
+    # A step with no tokens computes nothing and replies with one empty part per peer.
+    assert [tuple(t.shape) for t in sent[2][2]] == [(0, HIDDEN), (0, HIDDEN)]
     assert (svc.stats.steps, svc.stats.compute_calls, svc.stats.tokens) == (3, 4, 12)
     # The same counts on the role's metrics: one call per layer and step with tokens.
     assert _ffn_samples() == {
@@ -258,7 +262,7 @@ def test_ffn_service_serves_every_stage_of_every_layer_in_order(
     received = [
         (c[1].layer_idx, c[1].stage_idx, c[1].num_tokens)
         for c in recording.built[0].calls
-        if c[0] == "recv_attn_output"
+        if c[0] == "recv_dispatch"
     ]
     assert received == [
         (1, 0, (2,)),
@@ -294,6 +298,6 @@ def test_ffn_service_refuses_a_step_with_another_stage_count(
     assert isinstance(cause, AFDProtocolError)
     assert "announced 1 stage(s)" in str(cause) and "num_stages=2" in str(cause)
     conn = recording.built[0]
-    assert not [c for c in conn.calls if c[0] == "recv_attn_output"]
+    assert not [c for c in conn.calls if c[0] == "recv_dispatch"]
     # The Attention ranks are told why (their waits fail at once instead of timing out).
     assert ("abort", "recv_control", str(cause)) in conn.calls

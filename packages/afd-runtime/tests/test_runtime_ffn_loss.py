@@ -27,7 +27,7 @@ from afd_runtime.ffn_loss import (
 pytestmark = pytest.mark.vllm_runtime
 
 ATTENTION = {"afd": {"role": "attention", "ffn_loss_grace_s": 0}}  # fail at once (pre-0.6)
-ERROR = AFDFFNUnavailableError(AFDPeerError(1, "recv_ffn_output", "Connection closed by peer"))
+ERROR = AFDFFNUnavailableError(AFDPeerError(1, "recv_combine", "Connection closed by peer"))
 
 
 @pytest.fixture(autouse=True)

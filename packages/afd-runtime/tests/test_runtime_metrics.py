@@ -63,14 +63,8 @@ class _Conn:
     def __init__(self) -> None:
         self.sent: list[int] = []
 
-    def send_attn_output(self, payload: AFDPayload, metadata: AFDTransferMetadata) -> Any:
-        self.sent.append(metadata.layer_idx)
-        return _Handle(metadata)
-
-    def recv_ffn_output(self, handle: Any, out: torch.Tensor | None = None) -> torch.Tensor:
-        return torch.zeros(handle.metadata.num_tokens[0], 4)
-
     def send_dispatch(self, payloads: Any, metadata: AFDTransferMetadata) -> Any:
+        self.sent.append(metadata.layer_idx)
         return _Handle(metadata)
 
     def recv_combine(self, handle: Any) -> list[torch.Tensor]:
@@ -90,7 +84,7 @@ def test_attention_connector_instrumentation_times_each_layer_and_counts_bytes()
     payload = AFDPayload(hidden_states=torch.zeros(3, 4))
     for layer in (1, 2, 2):
         meta = AFDTransferMetadata(layer, 0, (3,))
-        conn.recv_ffn_output(conn.send_attn_output(payload, meta))
+        conn.recv_combine(conn.send_dispatch([payload], meta))
     assert conn.sent == [1, 2, 2]
     labels = {"role": "attention", "rank": "42"}
     assert _value("afd_attention_ffn_wait_seconds_count", **labels, layer="1") == 1

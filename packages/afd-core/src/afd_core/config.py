@@ -29,10 +29,9 @@ from typing import Any
 
 from afd_core.errors import AFDConfigError
 
-ConnectorCheck = Callable[[str, int, Mapping[str, Any]], Mapping[str, Any]]
-"""``(connector name, num_ffn_ranks, connector_extra_config) -> normalised extra config``:
-raises :class:`AFDConfigError` naming ``connector``, ``num_ffn_ranks`` or
-``connector_extra_config.<key>``."""
+ConnectorCheck = Callable[[str, Mapping[str, Any]], Mapping[str, Any]]
+"""``(connector name, connector_extra_config) -> normalised extra config``: raises
+:class:`AFDConfigError` naming ``connector`` or ``connector_extra_config.<key>``."""
 
 _CONNECTOR_CHECK: ConnectorCheck | None = None
 
@@ -365,7 +364,7 @@ class AFDConfig:
         # The selected connector owns (and validates) its extra config; the connector factory
         # installs that check (see set_connector_check): this module imports no connector code.
         check = _CONNECTOR_CHECK
-        normalized = extra if check is None else check(connector, self.num_ffn_ranks, extra)
+        normalized = extra if check is None else check(connector, extra)
         object.__setattr__(self, "connector_extra_config", MappingProxyType(dict(normalized)))
 
     @staticmethod

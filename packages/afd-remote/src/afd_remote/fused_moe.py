@@ -30,7 +30,6 @@ import torch
 from afd_core.connector import AFDConnectorBase
 from afd_core.errors import AFDPayloadError
 from afd_core.expert_map import ExpertMap
-from afd_core.forward_context import dbo_yield
 from afd_core.metadata import AFDPayload, AFDTransferMetadata
 
 from afd_remote.errors import AFDRemoteError, UnsupportedPayloadFieldError
@@ -101,9 +100,7 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         Returns ``[tokens, hidden]`` with ``hidden_states``' rows (the routed experts' output, plus
         shared experts when the FFN runs them).
         """
-        transfer = self.dispatch_experts(hidden_states, router_logits, input_ids)
-        dbo_yield()
-        return self.receive(transfer)
+        return self.complete(self.dispatch_experts(hidden_states, router_logits, input_ids))
 
     def dispatch_experts(
         self,
@@ -199,22 +196,13 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
             layer_idx=self.layer_idx, stage_idx=stage_idx, num_tokens=plan.counts
         )
         handle = connector.send_dispatch(payloads, metadata)
-        companions = []
-        for stage in self._empty_stages(stage_idx):
-            empty = AFDPayload(
-                hidden_states=hidden_states[:0], topk_ids=ids[:0], topk_weights=weights[:0]
-            )
-            zero = AFDTransferMetadata(
-                layer_idx=self.layer_idx, stage_idx=stage, num_tokens=(0,) * plan.num_ffn_ranks
-            )
-            companions.append(connector.send_dispatch([empty] * plan.num_ffn_ranks, zero))
         return RemoteFFNTransfer(
             connector=connector,
             handle=handle,
             metadata=metadata,
             parent_tokens=int(hidden_states.shape[0]),
             plan=plan,
-            companions=tuple(companions),
+            companions=self._send_empty(connector, stage_idx, payloads[0], plan.num_ffn_ranks),
         )
 
     # -- internals -------------------------------------------------------------------------

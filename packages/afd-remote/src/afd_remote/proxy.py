@@ -4,11 +4,12 @@
 (:func:`afd_core.forward_context.get_afd_forward_metadata`), never from its constructor, so one
 model instance works with any connector and never imports a connector class.
 
-Call order (pinned by the tests): ``connector.send_attn_output`` -> :func:`afd_core.forward_context.
-dbo_yield` -> ``connector.recv_ffn_output``. The yield lets vLLM's other DBO micro-batch compute
-while this one's FFN round trip is in flight. :meth:`RemoteFFNProxy.dispatch` and
-:meth:`RemoteFFNProxy.receive` split the call so a pipeline can run another stage's attention in
-between (they do not yield; the caller owns the schedule).
+Call order (pinned by the tests): ``connector.send_dispatch`` -> :func:`afd_core.forward_context.
+dbo_yield` -> ``connector.recv_combine``, written once, in :meth:`RemoteFFNProxy.complete`. The
+yield lets the step's other stage (or vLLM's other DBO micro-batch) compute while this one's FFN
+round trip is in flight. :meth:`RemoteFFNProxy.dispatch` and :meth:`RemoteFFNProxy.receive` split
+the call so a pipeline can run another stage's attention in between (they do not yield; the
+caller owns the schedule).
 
 Invariants:
 
@@ -104,8 +105,13 @@ class RemoteFFNProxy(torch.nn.Module):
     # -- public API ------------------------------------------------------------------------
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """Send ``hidden_states``, yield to the other DBO micro-batch, return the FFN output."""
-        transfer = self.dispatch(hidden_states)
+        """Send ``hidden_states``, yield to the other stage, return the FFN output."""
+        return self.complete(self.dispatch(hidden_states))
+
+    def complete(self, transfer: RemoteFFNTransfer) -> torch.Tensor:
+        """Yield to the step's other stage while ``transfer`` is in flight
+        (:func:`afd_core.forward_context.dbo_yield`, a no-op with one stage), then receive it.
+        If the yield raises (the other stage failed), the transfer is dropped unreceived."""
         dbo_yield()
         return self.receive(transfer)
 
@@ -152,14 +158,13 @@ class RemoteFFNProxy(torch.nn.Module):
         """
         if not isinstance(transfer, RemoteFFNTransfer):
             raise AFDRemoteError("transfer", type(transfer).__name__, "a RemoteFFNTransfer")
-        if transfer.plan is not None:
-            partials = transfer.connector.recv_combine(transfer.handle)
-            for handle in transfer.companions:
-                transfer.connector.recv_combine(handle)
-            return combine_expert_outputs(partials, transfer.plan)
-        output = transfer.connector.recv_ffn_output(transfer.handle)
+        connector = transfer.connector
+        parts = connector.recv_combine(transfer.handle)
         for handle in transfer.companions:
-            transfer.connector.recv_ffn_output(handle)
+            connector.recv_combine(handle)
+        if transfer.plan is not None:
+            return combine_expert_outputs(parts, transfer.plan)
+        output = parts[0]
         expected = transfer.metadata.num_tokens[0]
         if output.dim() == 0 or output.shape[0] != expected:
             raise AFDPayloadError(
@@ -201,22 +206,20 @@ class RemoteFFNProxy(torch.nn.Module):
         return tuple(s for s in range(meta.num_stages) if s != stage_idx and not counts[s])
 
     def _send_empty(
-        self, connector: AFDConnectorBase, stage_idx: int, local: Mapping[str, torch.Tensor]
+        self, connector: AFDConnectorBase, stage_idx: int, like: AFDPayload, width: int
     ) -> tuple[AFDTransferHandle, ...]:
+        """Send the zero-token transfers of :meth:`_empty_stages` (to each of the ``width`` FFN
+        ranks, with ``like``'s fields); their handles."""
+        stages = self._empty_stages(stage_idx)
+        if not stages:
+            return ()
+        empty = AFDPayload(**{k: v[:0] for k, v in like.tensors().items()})
         handles = []
-        for stage in self._empty_stages(stage_idx):
-            empty = {k: v[:0] for k, v in local.items()}
+        for stage in stages:
             metadata = AFDTransferMetadata(
-                layer_idx=self.layer_idx, stage_idx=stage, num_tokens=(0,)
+                layer_idx=self.layer_idx, stage_idx=stage, num_tokens=(0,) * width
             )
-            payload = AFDPayload(
-                hidden_states=empty["hidden_states"],
-                router_logits=empty.get("router_logits"),
-                topk_ids=empty.get("topk_ids"),
-                topk_weights=empty.get("topk_weights"),
-                input_ids=empty.get("input_ids"),
-            )
-            handles.append(connector.send_attn_output(payload, metadata))
+            handles.append(connector.send_dispatch([empty] * width, metadata))
         return tuple(handles)
 
     def _plan(self, hidden_states: torch.Tensor) -> RoutedDispatchLayout | None:
@@ -246,7 +249,7 @@ class RemoteFFNProxy(torch.nn.Module):
             topk_weights=local.get("topk_weights"),
             input_ids=local.get("input_ids"),
         )
-        handle = connector.send_attn_output(payload, metadata)
+        handle = connector.send_dispatch([payload], metadata)
         return RemoteFFNTransfer(
             connector=connector,
             handle=handle,
@@ -254,5 +257,5 @@ class RemoteFFNProxy(torch.nn.Module):
             parent_tokens=parent_tokens,
             layout=layout,
             tp_padding=self.tp_padding if layout is not None else None,
-            companions=self._send_empty(connector, stage_idx, local),
+            companions=self._send_empty(connector, stage_idx, payload, 1),
         )

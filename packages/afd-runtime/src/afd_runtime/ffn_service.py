@@ -6,20 +6,19 @@ built by :func:`afd_core.connector.create_connector`). Per step::
     msg = connector.recv_control()                  # every served Attention rank's counts
     for layer in layer_indices:                     # forward order
         for stage in range(msg.num_stages):
-            meta = msg.transfer_metadata(layer, stage)
-            payloads = connector.recv_attn_output(meta)   # one per served rank, rank order
-            out = compute(layer, cat(hidden), cat(logits))  # ONE call over all the peers
+            meta, payloads = connector.recv_dispatch(layer, stage)  # one per served rank
+            out = compute(layer, cat(hidden), cat(logits), cat(topk))  # ONE call, all peers
                                                     # (+ input_ids=cat(ids) when carried)
-            connector.send_ffn_output(out, meta)           # split back by meta.num_tokens
+            connector.send_combine(out, meta)       # split back by meta.num_tokens
 
 Batching: the unit of work is (layer, stage) over all served Attention ranks; their tokens are
-concatenated in served-rank order, computed once and split back by each rank's count. A stage
-whose total is zero tokens runs no compute.
+concatenated in served-rank order, computed once and split back by each rank's count. A
+(layer, stage) whose total is zero tokens runs no compute (its empty reply moves no bytes).
 
-Expert parallelism (``num_ffn_ranks > 1``): every FFN rank serves every Attention rank, but per
-(layer, stage) it gets only the tokens routed to its experts, with their global top-k ids and
-weights (``connector.recv_dispatch``); it computes the sum over its own experts and replies. A
-(layer, stage) that brings this rank no token is skipped at once (its peers sent only headers).
+One loop for every ``num_ffn_ranks``: with one FFN rank each served rank sends every token; with
+expert parallelism (``F > 1``) every FFN rank serves every Attention rank, but per (layer,
+stage) it gets only the tokens routed to its experts, with their global top-k ids and weights,
+computes the sum over its own experts and replies.
 
 Idle peers: the connector is lockstep (every served Attention rank announces every step). vLLM
 data parallelism keeps its ranks in lockstep already: while any rank has requests, every idle
@@ -114,31 +113,32 @@ def _cat(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors)
 
 
-def batch_payloads(payloads: Sequence[AFDPayload]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Hidden states (and router logits when present) of every peer, concatenated in order."""
+@dataclass(frozen=True)
+class BatchedInputs:
+    """One (layer, stage)'s inputs over every served Attention rank, concatenated in served-rank
+    order: hidden states, and each optional field when the payloads carry it."""
+
+    hidden_states: torch.Tensor
+    router_logits: torch.Tensor | None = None
+    topk: tuple[torch.Tensor, torch.Tensor] | None = None  # global (weights, ids)
+    input_ids: torch.Tensor | None = None
+
+
+def batch_payloads(payloads: Sequence[AFDPayload]) -> BatchedInputs:
+    """Every peer's payload fields, concatenated in served-rank order (a field is present in
+    every payload or in none: the payload spec decides)."""
+    first = payloads[0]
     hidden = _cat([p.hidden_states for p in payloads])
-    if payloads[0].router_logits is None:
-        return hidden, None
-    return hidden, _cat([p.router_logits for p in payloads if p.router_logits is not None])
-
-
-def batch_input_ids(payloads: Sequence[AFDPayload]) -> torch.Tensor | None:
-    """Every peer's token ids, concatenated in the order of :func:`batch_payloads` (``None``
-    when the payload spec does not carry ``input_ids``: then no payload has them)."""
-    if payloads[0].input_ids is None:
-        return None
-    return _cat([p.input_ids for p in payloads if p.input_ids is not None])
-
-
-def batch_routed(
-    payloads: Sequence[AFDPayload],
-) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
-    """Expert parallel: every peer's dispatched hidden states and global top-k
-    ``(weights, ids)``, concatenated in served-rank order."""
-    hidden = _cat([p.hidden_states for p in payloads])
-    weights = _cat([p.topk_weights for p in payloads])  # type: ignore[misc]
-    ids = _cat([p.topk_ids for p in payloads])  # type: ignore[misc]
-    return hidden, (weights, ids)
+    logits = ids = None
+    topk = None
+    if first.router_logits is not None:
+        logits = _cat([p.router_logits for p in payloads])  # type: ignore[misc]
+    if first.topk_ids is not None:
+        weights = _cat([p.topk_weights for p in payloads])  # type: ignore[misc]
+        topk = (weights, _cat([p.topk_ids for p in payloads]))  # type: ignore[misc]
+    if first.input_ids is not None:
+        ids = _cat([p.input_ids for p in payloads])  # type: ignore[misc]
+    return BatchedInputs(hidden, logits, topk, ids)
 
 
 def _payload_bytes(payloads: Sequence[AFDPayload]) -> int:
@@ -166,7 +166,6 @@ class FFNService:
         topology.check_role_rank("ffn", ffn_rank)
         self.topology = topology
         self.num_peers = len(topology.attention_ranks_for(ffn_rank))
-        self.expert_parallel = topology.expert_parallel
         self.layer_indices = tuple(layer_indices)
         self.compute = compute
         # Decided once: a stepped compute gets one scope per step (see _serve_step).
@@ -366,45 +365,6 @@ class FFNService:
             self._serve_layers(connector, msg)
 
     def _serve_layers(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
-        if self.expert_parallel:
-            self._serve_dispatched(connector, msg)
-            return
-        stats = self.stats
-        for layer in self.layer_indices:
-            for stage in range(msg.num_stages):
-                meta = msg.transfer_metadata(layer, stage)
-                payloads = connector.recv_attn_output(meta)
-                if self._delay is not None:
-                    self._delay()
-                total = sum(meta.num_tokens)
-                if total:
-                    hidden, logits = batch_payloads(payloads)
-                    ids = batch_input_ids(payloads)
-                    try:
-                        raise_if_injected("ffn_compute", self._compute_what(layer))
-                        if ids is None:
-                            out = self.compute(layer, hidden, logits)
-                        else:  # token-id routed layers (e.g. DeepSeek-V4 hash routing)
-                            out = self.compute(layer, hidden, logits, input_ids=ids)
-                    except Exception as exc:
-                        connector.abort(
-                            f"ffn compute (layer {layer})", f"{type(exc).__name__}: {exc}"
-                        )
-                        raise
-                    stats.compute_calls += 1
-                    stats.tokens += total
-                    self.metrics.compute_call(layer, total)
-                else:
-                    out = batch_payloads(payloads)[0]  # zero rows for every peer
-                self._count_bytes(payloads, out)
-                connector.send_ffn_output(out, meta)
-
-    def _compute_what(self, layer: int) -> str:
-        return f"AFD FFN rank {self.ffn_rank} compute of layer {layer}"
-
-    def _serve_dispatched(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
-        """Expert parallel: per (layer, stage) the tokens each peer routed to this rank's
-        experts (any count, 0 included: nothing is computed or sent back then)."""
         stats = self.stats
         for layer in self.layer_indices:
             for stage in range(msg.num_stages):
@@ -412,20 +372,38 @@ class FFNService:
                 if self._delay is not None:
                     self._delay()
                 total = sum(meta.num_tokens)
-                if not total:
+                if not total:  # nothing to compute; the reply moves no bytes
+                    connector.send_combine([p.hidden_states for p in payloads], meta)
                     continue
-                hidden, topk = batch_routed(payloads)
-                try:
-                    raise_if_injected("ffn_compute", self._compute_what(layer))
-                    out = self.compute(layer, hidden, None, topk)
-                except Exception as exc:
-                    connector.abort(f"ffn compute (layer {layer})", f"{type(exc).__name__}: {exc}")
-                    raise
+                out = self._compute(connector, layer, batch_payloads(payloads))
                 stats.compute_calls += 1
                 stats.tokens += total
                 self.metrics.compute_call(layer, total)
                 self._count_bytes(payloads, out)
-                connector.send_ffn_output(out, meta)
+                connector.send_combine(out, meta)
+
+    def _compute(
+        self, connector: AFDConnectorBase, layer: int, inputs: BatchedInputs
+    ) -> torch.Tensor:
+        """One compute call; a failure is published to the peers (``abort``) and re-raised."""
+        try:
+            raise_if_injected(
+                "ffn_compute", f"AFD FFN rank {self.ffn_rank} compute of layer {layer}"
+            )
+            hidden, logits, topk, ids = (
+                inputs.hidden_states,
+                inputs.router_logits,
+                inputs.topk,
+                inputs.input_ids,
+            )
+            if ids is not None:  # token-id routed layers (e.g. DeepSeek-V4 hash routing)
+                return self.compute(layer, hidden, logits, topk, input_ids=ids)
+            if topk is not None:
+                return self.compute(layer, hidden, logits, topk)
+            return self.compute(layer, hidden, logits)
+        except Exception as exc:
+            connector.abort(f"ffn compute (layer {layer})", f"{type(exc).__name__}: {exc}")
+            raise
 
     def _count_bytes(self, payloads: Sequence[AFDPayload], out: torch.Tensor) -> None:
         received = _payload_bytes(payloads)

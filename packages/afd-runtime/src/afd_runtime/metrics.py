@@ -27,7 +27,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable
 from typing import Any, Final
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, values
@@ -365,48 +364,29 @@ def _payload_bytes(payload: Any) -> int:
     return sum(_tensor_bytes(t) for t in payload.tensors().values())
 
 
-def _reply_bytes(reply: Any) -> int:
-    if isinstance(reply, list | tuple):
-        return sum(_tensor_bytes(t) for t in reply)
-    return _tensor_bytes(reply)
-
-
 def instrument_attention_connector(connector: Any, metrics: RoleMetrics) -> None:
     """Count an Attention rank's traffic and time its waits for the FFN on this connector
-    object (its own attributes; the class is untouched; idempotent): the sends
-    (``send_attn_output``, ``send_dispatch``) add their payload bytes to ``afd_sent_bytes``, the
-    receives (``recv_ffn_output``, ``recv_combine``) observe their wait in
-    ``afd_attention_ffn_wait_seconds`` (per layer) and add the reply bytes to
+    object (its own attributes; the class is untouched; idempotent): ``send_dispatch`` adds its
+    payload bytes to ``afd_sent_bytes``; ``recv_combine`` observes its wait in
+    ``afd_attention_ffn_wait_seconds`` (per layer) and adds the reply bytes to
     ``afd_received_bytes``."""
     if getattr(connector, "_afd_instrumented", False):
         return
-    send_one = connector.send_attn_output
-    send_many = connector.send_dispatch
-    recv_one = connector.recv_ffn_output
-    recv_many = connector.recv_combine
-
-    def send_attn_output(payload: Any, metadata: Any) -> Any:
-        handle = send_one(payload, metadata)
-        metrics.sent.inc(_payload_bytes(payload))
-        return handle
+    send = connector.send_dispatch
+    receive = connector.recv_combine
 
     def send_dispatch(payloads: Any, metadata: Any) -> Any:
-        handle = send_many(payloads, metadata)
+        handle = send(payloads, metadata)
         metrics.sent.inc(sum(_payload_bytes(p) for p in payloads))
         return handle
 
-    def timed(receive: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapper(handle: Any, *args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            reply = receive(handle, *args, **kwargs)
-            metrics.ffn_wait(int(handle.metadata.layer_idx), time.perf_counter() - t0)
-            metrics.received.inc(_reply_bytes(reply))
-            return reply
+    def recv_combine(handle: Any) -> Any:
+        t0 = time.perf_counter()
+        replies = receive(handle)
+        metrics.ffn_wait(int(handle.metadata.layer_idx), time.perf_counter() - t0)
+        metrics.received.inc(sum(_tensor_bytes(t) for t in replies))
+        return replies
 
-        return wrapper
-
-    connector.send_attn_output = send_attn_output
     connector.send_dispatch = send_dispatch
-    connector.recv_ffn_output = timed(recv_one)
-    connector.recv_combine = timed(recv_many)
+    connector.recv_combine = recv_combine
     connector._afd_instrumented = True

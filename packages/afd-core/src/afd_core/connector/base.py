@@ -5,9 +5,13 @@ Call protocol (one step; ``S`` stages, ``L`` layers; both roles follow the same 
     Attention rank                               FFN rank
     send_control(msg)            ───────────▶    recv_control() -> msg (counts per served rank)
     for layer: for stage:                        for layer: for stage:
-      h = send_attn_output(payload, meta)  ──▶     payloads = recv_attn_output(meta)
-      (overlap: dbo_yield())                        outputs = compute(payloads)
-      out = recv_ffn_output(h)             ◀──     send_ffn_output(outputs, meta)
+      h = send_dispatch(payloads, meta)    ──▶     meta, payloads = recv_dispatch(layer, stage)
+      (overlap: yield_stage())                      outputs = compute(payloads)
+      parts = recv_combine(h)              ◀──     send_combine(outputs, meta)
+
+``payloads``/``parts`` hold one entry per FFN rank of the Attention rank (``F = 1``: one, carrying
+every token); the FFN side's ``meta``/``payloads`` one per served Attention rank. Every (layer,
+stage) travels, also with zero tokens.
 
 Invariants:
 * Construction is cheap and side-effect free; :meth:`AFDConnectorBase.init` is collective (every
@@ -18,8 +22,7 @@ Invariants:
   :class:`AFDPayloadError` before any byte is sent.
 * Every blocking wait is bounded by ``config.timeout_s`` (unless a call documents otherwise) and
   raises :class:`AFDTimeoutError` or :class:`AFDPeerError` instead of hanging.
-* A handle returned by :meth:`send_attn_output` is consumed by exactly one
-  :meth:`recv_ffn_output`.
+* A handle returned by :meth:`send_dispatch` is consumed by exactly one :meth:`recv_combine`.
 
 Transports built on the shared session layer (:mod:`afd_core.session`: rendezvous, rounds,
 handshake, liveness, failure publication, goodbye) derive from
@@ -73,8 +76,8 @@ class AFDGroupInfo:
 class AFDTransferHandle:
     """The Attention side's ticket for one in-flight transfer.
 
-    ``metadata`` is the metadata given to ``send_attn_output``; ``state`` is connector-private.
-    A handle may be passed to ``recv_ffn_output`` exactly once.
+    ``metadata`` is the metadata given to ``send_dispatch``; ``state`` is connector-private.
+    A handle may be passed to ``recv_combine`` exactly once.
     """
 
     __slots__ = ("__weakref__", "_consumed", "connector_id", "metadata", "state")
@@ -87,7 +90,7 @@ class AFDTransferHandle:
 
     @property
     def consumed(self) -> bool:
-        """True once ``recv_ffn_output`` took this handle."""
+        """True once ``recv_combine`` took this handle."""
         return self._consumed
 
     def consume(self) -> None:
@@ -129,16 +132,14 @@ def _canonical_identity(model_identity: Mapping[str, Any] | None) -> dict[str, A
 class AFDConnectorBase(ABC):
     """Abstract base of every AFD connector.
 
-    Subclasses implement the data plane (``send_attn_output``/``recv_ffn_output`` on the Attention
-    side, ``recv_attn_output``/``send_ffn_output`` on the FFN side) and may implement the control
-    plane (``send_control``/``recv_control``; set ``has_control_plane = True``).
+    Subclasses implement the data plane (``send_dispatch``/``recv_combine`` on the Attention side,
+    ``recv_dispatch``/``send_combine`` on the FFN side; one FFN rank is the case ``F = 1``) and may
+    implement the control plane (``send_control``/``recv_control``; set
+    ``has_control_plane = True``).
     """
 
     name: ClassVar[str] = "abstract"
     has_control_plane: ClassVar[bool] = False
-    #: True when the connector implements the expert-parallel data plane (``num_ffn_ranks >
-    #: 1``): ``send_dispatch``/``recv_combine`` and ``recv_dispatch``.
-    supports_expert_parallel: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -342,57 +343,43 @@ class AFDConnectorBase(ABC):
     ) -> None:
         self.close()
 
-    # -- Attention side --------------------------------------------------------------------
+    # -- data plane: dispatch to the FFN ranks, combine their replies ------------------------
 
     @abstractmethod
-    def send_attn_output(
-        self, payload: AFDPayload, metadata: AFDTransferMetadata
-    ) -> AFDTransferHandle:
-        """Send this rank's payload for one layer/stage to its FFN rank (may return early)."""
-
-    @abstractmethod
-    def recv_ffn_output(
-        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """Wait for the FFN reply of ``handle``: ``[tokens, hidden_size]`` (into ``out`` if given)."""
-
-    # -- FFN side --------------------------------------------------------------------------
-
-    @abstractmethod
-    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
-        """Receive one payload per served Attention rank (in ``attention_ranks_for`` order)."""
-
-    @abstractmethod
-    def send_ffn_output(
-        self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
-    ) -> None:
-        """Send each served Attention rank its ``[tokens_i, hidden_size]`` result.
-
-        ``outputs`` is one tensor per served rank, or one tensor of all rows concatenated in
-        served-rank order (split by ``metadata.num_tokens``).
-        """
-
-    # -- expert-parallel data plane (optional; num_ffn_ranks > 1) ---------------------------
-
     def send_dispatch(
         self, payloads: Sequence[AFDPayload], metadata: AFDTransferMetadata
     ) -> AFDTransferHandle:
-        """Attention side: send FFN rank ``f`` its ``payloads[f]`` (``metadata.num_tokens[f]``
-        rows, possibly 0) for one layer/stage; returns without waiting."""
-        raise AFDConnectorError(f"connector {self.name!r} has no expert-parallel data plane")
+        """Attention side: send FFN rank ``f`` (``topology.peers_of``'s order) its
+        ``payloads[f]``, ``metadata.num_tokens[f]`` rows (possibly 0), for one layer and stage;
+        returns without waiting.
 
+        With one FFN rank every token goes to it: the count equals the step's announced count
+        for the stage. With several, each count is at most the announced one.
+        """
+
+    @abstractmethod
     def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
-        """Attention side: wait for ``handle``'s replies, one ``[num_tokens[f], hidden]``
-        tensor per FFN rank (a rank sent 0 rows answers with an empty tensor, off the wire)."""
-        raise AFDConnectorError(f"connector {self.name!r} has no expert-parallel data plane")
+        """Attention side: wait for ``handle``'s replies, one ``[num_tokens[f], hidden]`` tensor
+        per FFN rank (a rank sent 0 rows answers with an empty tensor, off the wire)."""
 
+    @abstractmethod
     def recv_dispatch(
         self, layer_idx: int, stage_idx: int
     ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
         """FFN side: receive what every served Attention rank dispatched to this rank for
-        ``layer_idx``/``stage_idx``: the metadata (one count per served rank, as sent) and one
-        payload per served rank. Reply with :meth:`send_ffn_output` and that metadata."""
-        raise AFDConnectorError(f"connector {self.name!r} has no expert-parallel data plane")
+        ``layer_idx``/``stage_idx``: the metadata (one count per served rank, in
+        ``attention_ranks_for`` order) and one payload per served rank. Reply with
+        :meth:`send_combine` and that metadata."""
+
+    @abstractmethod
+    def send_combine(
+        self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
+    ) -> None:
+        """FFN side: send each served Attention rank its ``[num_tokens[i], hidden_size]`` result.
+
+        ``outputs`` is one tensor per served rank, or one tensor of all rows concatenated in
+        served-rank order (split by ``metadata.num_tokens``); zero-row parts send nothing.
+        """
 
     # -- control plane (optional) ----------------------------------------------------------
 

@@ -158,16 +158,12 @@ register_connector("p2p", _builtin("afd_core.connector.p2p", "P2PConnector"))
 register_connector("inprocess", _builtin("afd_core.connector.inprocess", "InProcessConnector"))
 
 
-def check_connector_config(
-    name: str, num_ffn_ranks: int, extra: Mapping[str, Any]
-) -> Mapping[str, Any]:
+def check_connector_config(name: str, extra: Mapping[str, Any]) -> Mapping[str, Any]:
     """The connector part of :class:`~afd_core.config.AFDConfig` validation: ``name`` is a
-    registered connector, it serves ``num_ffn_ranks`` (expert parallelism needs
-    ``supports_expert_parallel``) and accepts ``extra``; returns the normalised extra config.
+    registered connector and accepts ``extra``; returns the normalised extra config.
 
     Raises:
-        AFDConfigError: naming ``connector``, ``num_ffn_ranks`` or
-            ``connector_extra_config.<key>``.
+        AFDConfigError: naming ``connector`` or ``connector_extra_config.<key>``.
     """
     try:
         connector_cls = get_connector_class(name)
@@ -177,12 +173,6 @@ def check_connector_config(
             name,
             f"a registered connector name, one of {list(available_connectors())}",
         ) from None
-    if num_ffn_ranks > 1 and not connector_cls.supports_expert_parallel:
-        raise AFDConfigError(
-            "num_ffn_ranks",
-            num_ffn_ranks,
-            f"1 for connector {name!r} (it does not dispatch to several expert-parallel FFN ranks)",
-        )
     return connector_cls.validate_extra_config(extra)
 
 

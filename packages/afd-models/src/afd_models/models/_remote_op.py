@@ -10,11 +10,10 @@ from the AFD forward metadata the runtime installs around every forward). Being 
 ``torch.library`` custom op keeps the exchange opaque to Dynamo/Inductor, so a compiled model
 traces as upstream everywhere else; the fake implementation returns ``empty_like(hidden)``.
 
-Every op is one dispatch, then afd-cam's receive handoff: the stage's receive is handed off, the
-op yields (:func:`afd_core.forward_context.dbo_yield`: with two stages the other stage computes
-its attention while this round trip is in flight) and the receive is taken back. The handoff
-holds at most one pending receive per stage, so a dispatch can neither lose nor duplicate a
-receive; a yield that fails (the other stage of the step failed) drops the pending receive.
+Every op is one dispatch, then :meth:`afd_remote.proxy.RemoteFFNProxy.complete`: it yields
+(:func:`afd_core.forward_context.dbo_yield`: with two stages the other stage computes its
+attention while this round trip is in flight) and receives; a yield that fails (the other stage
+of the step failed) drops the transfer unreceived.
 
 Invariants: never mutates or aliases its inputs; one parameter-free proxy per (layer, gate side).
 """
@@ -24,25 +23,10 @@ from __future__ import annotations
 import threading
 
 import torch
-from afd_cam.handoff import ReceiveHandoff
 from afd_remote.fused_moe import AFDAttentionFusedMoE
-from afd_remote.proxy import RemoteFFNTransfer
 
 _PROXIES: dict[tuple[int, bool], AFDAttentionFusedMoE] = {}
 _LOCK = threading.Lock()
-# Stages of one step run one at a time (afd_runtime.overlap), so one handoff serves every stage.
-_HANDOFF: ReceiveHandoff[torch.Tensor] = ReceiveHandoff()
-
-
-def receive_after_yield(proxy: AFDAttentionFusedMoE, transfer: RemoteFFNTransfer) -> torch.Tensor:
-    """Hand ``transfer``'s receive off, yield to the other stage, take the receive back."""
-    stage = transfer.stage_idx
-    try:
-        _HANDOFF.hand_off(stage, lambda: proxy.receive(transfer), yield_to_dbo=True)
-    except BaseException:
-        _HANDOFF.discard(stage)
-        raise
-    return _HANDOFF.take(stage)
 
 
 def proxy_for(layer_idx: int, gate_on_attention: bool) -> AFDAttentionFusedMoE:
@@ -63,7 +47,7 @@ def remote_ffn(
 ) -> torch.Tensor:
     """Send one MoE layer's inputs to the FFN role and return its routed-expert output."""
     proxy = proxy_for(layer_idx, router_logits is not None)
-    return receive_after_yield(proxy, proxy.dispatch_experts(hidden_states, router_logits))
+    return proxy.complete(proxy.dispatch_experts(hidden_states, router_logits))
 
 
 @remote_ffn.register_fake
@@ -83,9 +67,7 @@ def remote_ffn_ids(
     """Token-id routed layers (DeepSeek-V4 hash MoE): as ``afd::remote_ffn``, the tokens' ids
     sent with the rows (the connector's payload spec carries ``input_ids``)."""
     proxy = proxy_for(layer_idx, router_logits is not None)
-    return receive_after_yield(
-        proxy, proxy.dispatch_experts(hidden_states, router_logits, input_ids)
-    )
+    return proxy.complete(proxy.dispatch_experts(hidden_states, router_logits, input_ids))
 
 
 @remote_ffn_ids.register_fake
@@ -110,7 +92,7 @@ def remote_ffn_routed(
     experts (routed on this role by the model's router) and return the combined output."""
     proxy = proxy_for(layer_idx, True)
     transfer = proxy.dispatch_routed(hidden_states, topk_weights, topk_ids, num_experts)
-    return receive_after_yield(proxy, transfer)
+    return proxy.complete(transfer)
 
 
 @remote_ffn_routed.register_fake

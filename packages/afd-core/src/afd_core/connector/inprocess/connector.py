@@ -10,8 +10,7 @@ here on an in-memory ``torch.distributed.HashStore``.
 A world is the *hub* of ``(config.host, config.port)`` in this process (nothing listens on that
 port): its store and one FIFO queue per ``(round, sender, receiver, kind, stage)``. Every
 transfer is one request ``(layer, stage, tokens, tensors)`` from an Attention rank to an FFN rank
-(sent for every stage, also with 0 tokens) and, when it had tokens, one reply; one FFN rank
-(request/reply) and expert parallelism (dispatch/combine) are the same two operations. Sent
+(sent for every stage, also with 0 tokens) and, when it had tokens, one reply. Sent
 tensors are copied, so a sender may reuse its buffers. A wait polls its peer's published failure
 and goodbye between queue reads, and is bounded by ``config.timeout_s``.
 """
@@ -91,7 +90,6 @@ class InProcessConnector(AFDSessionConnector):
     label = "in-process"
     protocol_version = 1
     has_control_plane = True
-    supports_expert_parallel = True
 
     _hub_: _Hub | None = None
     _round = 0
@@ -115,16 +113,11 @@ class InProcessConnector(AFDSessionConnector):
 
     # -- moving objects --------------------------------------------------------------------
 
-    def _check(self, role: AFDRole, op: str, expert_parallel: bool | None = None) -> None:
+    def _check(self, role: AFDRole, op: str) -> None:
         if not self._initialized:
             raise AFDNotInitializedError(f"AFD in-process connector is not initialised ({op})")
         if self.role is not role:
             raise AFDConnectorError(f"{op} is a {role} operation; this rank's role is {self.role}")
-        if expert_parallel is not None and expert_parallel != self.topology.expert_parallel:
-            raise AFDConnectorError(
-                f"{op} {'needs' if expert_parallel else 'serves one FFN rank, not'} "
-                f"num_ffn_ranks > 1 (this world has {self.topology.num_ffn_ranks})"
-            )
 
     def _queue(self, src: int, dst: int, kind: int, stage: int) -> queue.SimpleQueue[Any]:
         hub = self._hub_
@@ -257,73 +250,33 @@ class InProcessConnector(AFDSessionConnector):
 
     # -- Attention side --------------------------------------------------------------------
 
-    def send_attn_output(
-        self, payload: AFDPayload, metadata: AFDTransferMetadata
-    ) -> AFDTransferHandle:
-        return self._send(
-            [payload], metadata, "send_attn_output", expert_parallel=False, exact=True
-        )
-
     def send_dispatch(
         self, payloads: Sequence[AFDPayload], metadata: AFDTransferMetadata
     ) -> AFDTransferHandle:
-        return self._send(
-            list(payloads), metadata, "send_dispatch", expert_parallel=True, exact=False
-        )
-
-    def _send(
-        self,
-        payloads: list[AFDPayload],
-        meta: AFDTransferMetadata,
-        op: str,
-        *,
-        expert_parallel: bool,
-        exact: bool,
-    ) -> AFDTransferHandle:
-        self._check(AFDRole.ATTENTION, op, expert_parallel)
-        self._check_layer(meta)
-        announced = self._announced_count(meta.stage_idx, op)
+        self._check(AFDRole.ATTENTION, "send_dispatch")
+        self._check_layer(metadata)
+        announced = self._announced_count(metadata.stage_idx, "send_dispatch")
         ranks = self.topology.peers_of(AFDRole.ATTENTION, self.role_rank)
-        if len(meta.num_tokens) != len(ranks):
+        payloads = list(payloads)
+        if len(metadata.num_tokens) != len(ranks):
             raise AFDPayloadError(
-                "num_tokens", meta.num_tokens, f"{len(ranks)} count(s) (one per FFN rank)"
+                "num_tokens", metadata.num_tokens, f"{len(ranks)} count(s) (one per FFN rank)"
             )
         if len(payloads) != len(ranks):
             raise AFDPayloadError("payloads", len(payloads), f"{len(ranks)} (one per FFN rank)")
-        for n in meta.num_tokens:
+        exact = len(ranks) == 1  # one FFN rank gets every token
+        for n in metadata.num_tokens:
             if (n != announced) if exact else (n > announced):
                 allowed = f"({announced},) as announced" if exact else f"at most {announced} rows"
-                raise AFDPayloadError("num_tokens", meta.num_tokens, allowed)
-        for payload, n in zip(payloads, meta.num_tokens, strict=True):
+                raise AFDPayloadError("num_tokens", metadata.num_tokens, allowed)
+        for payload, n in zip(payloads, metadata.num_tokens, strict=True):
             self.payload_spec.validate_payload(payload, n, self.device.type)
-        for dst, payload, n in zip(ranks, payloads, meta.num_tokens, strict=True):
-            self._request(dst, meta, n, payload)
-        return AFDTransferHandle(meta, (self._round, ranks), id(self))
-
-    def recv_ffn_output(
-        self, handle: AFDTransferHandle, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        self._check(AFDRole.ATTENTION, "recv_ffn_output", False)
-        n = handle.metadata.num_tokens[0] if isinstance(handle, AFDTransferHandle) else 0
-        shape = self.payload_spec.output_shape(n)
-        if out is not None and (
-            tuple(out.shape) != shape
-            or out.dtype != self.payload_spec.dtype
-            or out.device.type != self.device.type
-        ):
-            raise AFDPayloadError(
-                "out",
-                (tuple(out.shape), out.dtype, str(out.device)),
-                f"shape {shape}, dtype {self.payload_spec.dtype}, a {self.device.type} tensor",
-            )
-        _, ranks = self._handle(handle, "recv_ffn_output")
-        result = self._take_reply(ranks[0], handle.metadata.stage_idx, n, "recv_ffn_output")
-        if out is not None:
-            return out.copy_(result)
-        return result
+        for dst, payload, n in zip(ranks, payloads, metadata.num_tokens, strict=True):
+            self._request(dst, metadata, n, payload)
+        return AFDTransferHandle(metadata, (self._round, ranks), id(self))
 
     def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
-        self._check(AFDRole.ATTENTION, "recv_combine", True)
+        self._check(AFDRole.ATTENTION, "recv_combine")
         _, ranks = self._handle(handle, "recv_combine")
         stage = handle.metadata.stage_idx
         return [
@@ -333,45 +286,29 @@ class InProcessConnector(AFDSessionConnector):
 
     # -- FFN side --------------------------------------------------------------------------
 
-    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
-        self._check(AFDRole.FFN, "recv_attn_output", False)
-        self._check_layer(metadata)
-        counts = self._control_counts(metadata.stage_idx, "recv_attn_output")
-        if metadata.num_tokens != counts:
-            raise AFDPayloadError("num_tokens", metadata.num_tokens, f"{counts} as announced")
-        _, payloads = self._receive(
-            metadata.layer_idx, metadata.stage_idx, counts, "recv_attn_output"
-        )
-        return payloads
-
     def recv_dispatch(
         self, layer_idx: int, stage_idx: int
     ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
-        self._check(AFDRole.FFN, "recv_dispatch", True)
+        self._check(AFDRole.FFN, "recv_dispatch")
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
             raise AFDPayloadError("layer_idx", layer_idx, f"an int in 0..{self.num_layers - 1}")
         if not 0 <= layer_idx < self.num_layers:
             raise AFDPayloadError("layer_idx", layer_idx, f"an int in 0..{self.num_layers - 1}")
         if isinstance(stage_idx, bool) or not isinstance(stage_idx, int):
             raise AFDPayloadError("stage_idx", stage_idx, "an int")
-        counts = self._control_counts(stage_idx, "recv_dispatch")
-        got, payloads = self._receive(layer_idx, stage_idx, counts, "recv_dispatch")
-        return AFDTransferMetadata(layer_idx, stage_idx, got), payloads
-
-    def _receive(
-        self, layer: int, stage: int, limits: tuple[int, ...], op: str
-    ) -> tuple[tuple[int, ...], list[AFDPayload]]:
+        limits = self._control_counts(stage_idx, "recv_dispatch")
         served = self.topology.peers_of(AFDRole.FFN, self.role_rank)
         taken = [
-            self._take_request(src, layer, stage, limit, op)
+            self._take_request(src, layer_idx, stage_idx, limit, "recv_dispatch")
             for src, limit in zip(served, limits, strict=True)
         ]
-        return tuple(n for n, _ in taken), [p for _, p in taken]
+        counts = tuple(n for n, _ in taken)
+        return AFDTransferMetadata(layer_idx, stage_idx, counts), [p for _, p in taken]
 
-    def send_ffn_output(
+    def send_combine(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
     ) -> None:
-        self._check(AFDRole.FFN, "send_ffn_output")
+        self._check(AFDRole.FFN, "send_combine")
         self._check_layer(metadata)
         served = self.topology.peers_of(AFDRole.FFN, self.role_rank)
         counts = metadata.num_tokens

@@ -28,10 +28,14 @@ other ranks join the newest; so any rank can close and initialise again):
    at once: its connections drop.)
 
 Per step (see :mod:`afd_core.connector` for the call order): every Attention rank sends its
-per-stage token counts to its FFN rank (fixed-size control message, tag per direction); per layer
-and stage the Attention rank posts the receive of the reply (gloo; see below) and then a send per
-payload field (tag per stage and field), and returns (``recv_ffn_output`` only waits), so two stages
-can be in flight (DBO). At most one reply receive per stage is posted ahead: when a caller sends
+per-stage token counts to each of its FFN ranks (fixed-size control message, tag per direction);
+per layer and stage, for each FFN rank, the Attention rank posts the receive of the reply (gloo;
+see below), then the ``(layer, stage, tokens)`` header when the transfer has one (``F > 1``, where
+each FFN rank gets only the tokens routed to its experts, so the count is news; or
+``check_sequence``), then a send per payload field (tag per stage and field), and returns
+(``recv_combine`` only waits), so two stages can be in flight (DBO). With one FFN rank the count is
+the announced one and no header travels. At most one reply receive per stage and FFN rank is
+posted ahead: when a caller sends
 several layers of a stage before it receives any reply (a stream), the later receives are posted in
 send order, the next one as each reply comes in (or all up to the one asked for, when replies are
 received out of order), so the FFN rank is not handed a receive notice per layer while it is busy
@@ -42,7 +46,8 @@ Receives are posted ahead on gloo. A gloo receive notifies the sender, which wri
 if the receive was posted first and otherwise waits for that notice: posting late costs a network
 round trip (and a wake-up of the sender's I/O thread) per transfer. Besides the Attention side's
 early reply receive, the FFN side (``recv_ahead``, on by default) uses what the control message
-tells it (every stage's token counts for the whole step) to keep a *window* of receives posted per
+tells it (every stage's token counts for the whole step; with one FFN rank, where they are the
+transfers' counts) to keep a *window* of receives posted per
 stage and served Attention rank: as many transfers as fit in ``recv_ahead_bytes`` (2 MiB by default;
 at most the layers left in the step, at most one with ``reuse_buffers``, none for a transfer larger
 than the budget). The whole window serves streams (the caller receives several layers of a stage
@@ -66,7 +71,7 @@ mirrors the window rule (both sides compute it from the handshaked payload spec 
 nccl and hccl post nothing ahead: they run a rank's sends and receives in call order on one device
 stream, where a receive posted before a send its peer waits for would block that send (a
 deadlock). There every receive is posted when it is asked for (the Attention side's reply receive
-in ``recv_ffn_output``, after the transfer's sends), and the call order on both roles must match
+in ``recv_combine``, after the transfer's sends), and the call order on both roles must match
 (these backends ignore tags).
 
 Receive buffers come from :class:`afd_core.buffers.RecvBufferPool` (recycled on CPU, kept with

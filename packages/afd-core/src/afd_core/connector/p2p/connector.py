@@ -1,7 +1,8 @@
 """The registered P2P connector class and its ``connector_extra_config`` keys.
 
 :class:`P2PConnector` puts the two roles' operations together (:mod:`afd_core.connector.p2p.attention`,
-:mod:`afd_core.connector.p2p.ffn`, and the expert-parallel data plane :mod:`afd_core.connector.p2p.expert_parallel`) on the shared state and lifecycle of :mod:`afd_core.connector.p2p.lifecycle`.
+:mod:`afd_core.connector.p2p.ffn`) on the shared state and lifecycle of
+:mod:`afd_core.connector.p2p.lifecycle`.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ from collections.abc import Mapping
 from typing import Any
 
 from afd_core.connector.p2p.attention import _AttentionSide
-from afd_core.connector.p2p.expert_parallel import _ExpertParallelSide
 from afd_core.connector.p2p.ffn import _FFNSide
 from afd_core.errors import AFDConfigError
 
@@ -21,19 +21,19 @@ _INT_KEYS = frozenset({"recv_ahead_bytes"})
 _EXTRA_KEYS = _BOOL_KEYS | _INT_KEYS
 
 
-class P2PConnector(_AttentionSide, _FFNSide, _ExpertParallelSide):
+class P2PConnector(_AttentionSide, _FFNSide):
     """Point-to-point AFD connector on torch.distributed (see :mod:`afd_core.connector.p2p`)."""
 
     name = "p2p"
     has_control_plane = True
-    supports_expert_parallel = True
 
     @classmethod
     def validate_extra_config(cls, extra: Mapping[str, Any]) -> Mapping[str, Any]:
         """Accepted keys (all bool):
 
-        * ``check_sequence`` (default false): send a 3-word header (layer, stage, tokens) before
-          every Attention payload and verify it on the FFN side (catches out-of-order calls).
+        * ``check_sequence`` (default false): send the 3-word header (layer, stage, tokens) before
+          every transfer with one FFN rank too (with several it always travels) and verify it on
+          the FFN side (catches out-of-order calls).
         * ``recv_ahead`` (default true): the FFN side posts each stage's next receives early (see
           :mod:`afd_core.connector.p2p`). Set false for call patterns where a step ends before layer
           ``num_layers - 1`` and the next step changes that stage's token counts.
@@ -47,7 +47,7 @@ class P2PConnector(_AttentionSide, _FFNSide, _ExpertParallelSide):
           per stage, peer and field, used in turn: stable addresses) instead of recycled ones
           (see :mod:`afd_core.buffers`). A returned tensor is then only valid until the next
           receive call of the same stage returns (Attention side: until the next
-          ``recv_ffn_output`` of that stage returns): consume or copy it before.
+          ``recv_combine`` of that stage returns): consume or copy it before.
         """
         out: dict[str, Any] = {}
         for key, value in extra.items():

@@ -1,7 +1,10 @@
-"""The FFN side of the P2P connector: control messages in, payloads in, replies out.
+"""The FFN side of the P2P connector: control messages in, dispatches in, replies out.
 
 :meth:`_FFNSide.recv_control` merges the served Attention ranks' messages, then posts the
-step's first data receives and the next step's control receive. Receives are posted ahead on
+step's first data receives (one FFN rank: the counts are the announced ones) and the next step's
+control receive. :meth:`_FFNSide.recv_dispatch` takes each served rank's header first when
+transfers carry one (F > 1: the count; ``check_sequence``: checked against the announced one),
+then its rows. Receives are posted ahead on
 gloo within the window of :mod:`afd_core.connector.p2p.recv_ahead`: request/reply (the service loop) keeps
 one ahead, posted with the reply; a stream (several layers received before replying) gets the
 whole window, now and at the next step's control message. Off gloo every receive is posted when
@@ -22,8 +25,13 @@ from afd_core.connector.base import merge_control_messages, split_ffn_outputs
 from afd_core.connector.p2p.groups import _LONG_WAIT
 from afd_core.connector.p2p.lifecycle import _P2PLifecycle
 from afd_core.connector.p2p.recv_ahead import _PostedRecv
-from afd_core.connector.p2p.wire import _CONTROL_TAG, _decode_control
-from afd_core.errors import AFDConfigError, AFDConnectorError, AFDPayloadError, AFDProtocolError
+from afd_core.connector.p2p.wire import (
+    _CONTROL_TAG,
+    HEADER_WORDS,
+    _decode_control,
+    _header_mismatch,
+)
+from afd_core.errors import AFDConfigError, AFDPayloadError, AFDProtocolError
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
 
 
@@ -62,20 +70,15 @@ class _FFNSide(_P2PLifecycle):
             merged = merge_control_messages(messages, self._served)
         except AFDProtocolError as mismatch:
             self._fail(mismatch, "recv_control", None)
-        if self._expert_parallel:
-            # The dispatch path (afd_core.connector.p2p.expert_parallel) learns each layer's counts from
-            # its headers; the request/reply path stays closed (see recv_attn_output).
-            self._ep_control = None if merged.shutdown else merged
-            if not merged.shutdown:
-                self._control_posted = self._post_control_recv()
-            return merged
         self._control = None if merged.shutdown else merged
         if self._control is None:
             self._ahead_stages = frozenset()
         else:
             # The step's first data receives first (the Attention ranks' sends wait for their
-            # notices), then the next step's control receive, so its sender never waits for it.
-            self._post_step_recvs(self._control)
+            # notices; only when the counts are the announced ones), then the next step's
+            # control receive, so its sender never waits for it.
+            if self._counts_fixed:
+                self._post_step_recvs(self._control)
             self._control_posted = self._post_control_recv()
         return merged
 
@@ -92,17 +95,96 @@ class _FFNSide(_P2PLifecycle):
 
     # -- data plane ------------------------------------------------------------------------
 
-    def _expected_ffn_counts(self, metadata: AFDTransferMetadata) -> None:
+    def recv_dispatch(
+        self, layer_idx: int, stage_idx: int
+    ) -> tuple[AFDTransferMetadata, list[AFDPayload]]:
+        control = self._control
+        if not (  # the hot path
+            self._initialized
+            and self._is_ffn
+            and control is not None
+            and type(layer_idx) is int
+            and 0 <= layer_idx < self.num_layers
+            and type(stage_idx) is int
+            and 0 <= stage_idx < len(control.stage_token_counts)
+        ):
+            control = self._check_receive(layer_idx, stage_idx)
+        limits = control.stage_token_counts[stage_idx]
+        counts = self._recv_headers(layer_idx, stage_idx, limits) if self._headers else limits
+        if self._counts_fixed:
+            payloads = self._recv_posted(layer_idx, stage_idx, counts)
+        else:
+            payloads = self._recv_rows(stage_idx, counts)
+        metadata = AFDTransferMetadata._of_counts(layer_idx, stage_idx, counts)
+        self._last_received = metadata
+        return metadata, payloads
+
+    def _check_receive(self, layer_idx: object, stage_idx: object) -> AFDControlMessage:
+        """The full checks of :meth:`recv_dispatch` (they name what is wrong); the step's
+        control message."""
+        self._check_ready(AFDRole.FFN, "recv_dispatch")
         control = self._control
         if control is None:
-            return
-        if metadata.stage_idx >= control.num_stages:
-            raise AFDPayloadError(
-                "stage_idx", metadata.stage_idx, f"an int in 0..{control.num_stages - 1}"
-            )
-        announced = control.stage_token_counts[metadata.stage_idx]
-        if metadata.num_tokens != announced:
-            raise AFDPayloadError("num_tokens", metadata.num_tokens, f"{announced} as announced")
+            raise AFDProtocolError("recv_dispatch before this step's recv_control")
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            raise AFDPayloadError("layer_idx", layer_idx, f"an int in 0..{self.num_layers - 1}")
+        if not 0 <= layer_idx < self.num_layers:
+            raise AFDPayloadError("layer_idx", layer_idx, f"an int in 0..{self.num_layers - 1}")
+        last = control.num_stages - 1
+        if isinstance(stage_idx, bool) or not isinstance(stage_idx, int):
+            raise AFDPayloadError("stage_idx", stage_idx, f"an int in 0..{last}")
+        if not 0 <= stage_idx <= last:
+            raise AFDPayloadError("stage_idx", stage_idx, f"an int in 0..{last}")
+        return control
+
+    def _post_header(self, stage: int, src: int) -> tuple[torch.Tensor, Any]:
+        tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
+        header = torch.empty(HEADER_WORDS, dtype=torch.int64, device=self.device)
+        try:
+            work = self._data_pg.recv([header], src, tags.sequence)
+        except RuntimeError as err:
+            self._fail(err, "recv_dispatch", src)
+        return header, work
+
+    def _recv_headers(
+        self, layer_idx: int, stage_idx: int, limits: tuple[int, ...]
+    ) -> tuple[int, ...]:
+        """Wait for the ``(layer, stage, tokens)`` header of every served rank and return the
+        counts. Headers have a fixed size and travel in order per (stage, peer), so on gloo the
+        next one is posted ahead (now, for the next call); nccl/hccl post every receive when it
+        is asked for (see ``_post_early``)."""
+        served = self._served
+        posted = []
+        for src in served:
+            ahead = self._headers_ahead.pop((stage_idx, src), None)
+            posted.append(ahead if ahead is not None else self._post_header(stage_idx, src))
+        self._wait(
+            [(work, src) for (_, work), src in zip(posted, served, strict=True)], "recv_dispatch"
+        )
+        if self._post_early:
+            for src in served:
+                self._headers_ahead[stage_idx, src] = self._post_header(stage_idx, src)
+        exact = self._counts_fixed
+        counts: list[int] = []
+        for (header, _), src, limit in zip(posted, served, limits, strict=True):
+            wrong = _header_mismatch(header, layer_idx, stage_idx, limit, exact)
+            if wrong is not None:
+                self._fail(AFDProtocolError(f"world rank {src} sent {wrong}"), "recv_dispatch", src)
+            counts.append(int(header[2]))
+        return tuple(counts)
+
+    def _recv_rows(self, stage: int, counts: tuple[int, ...]) -> list[AFDPayload]:
+        """The rows of a transfer whose counts came in its headers, posted now."""
+        served = self._served
+        recvs = [self._prepare_recv(stage, src, n) for src, n in zip(served, counts, strict=True)]
+        works: list[tuple[Any, int]] = []
+        for src, posted in zip(served, recvs, strict=True):
+            self._start_recv(posted, stage, src)
+            for work in posted.works:
+                works.append((work, src))
+            posted.works = []
+        self._wait(works, "recv_dispatch")
+        return [posted.payload for posted in recvs]
 
     def _post_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
         """Post the receives of ``stage``'s next transfer (``n`` tokens) from world rank ``src``.
@@ -111,13 +193,13 @@ class _FFNSide(_P2PLifecycle):
         payload objects: on a receive posted when asked for, everything before the posting
         delays the sender (it waits for the receive's notice), and on a busy host that code
         runs with cold caches right after this thread woke up."""
-        if n and self._hidden_only and not self.check_sequence:
+        if n and self._hidden_only:
             tags = self._stage_tags.get(stage) or self._make_stage_tags(stage)
             buf = self._buffers.get(tags.recv_keys[src][0], (n, self._hidden), self._out_dtype)
             try:
                 work = self._data_pg.recv([buf], src, tags.fields[0][1])
             except RuntimeError as err:
-                self._fail(err, "recv_attn_output", src)
+                self._fail(err, "recv_dispatch", src)
             posted = _PostedRecv(n, [buf], AFDPayload._of_hidden_states(buf))
             posted.works.append(work)
             return posted
@@ -146,15 +228,12 @@ class _FFNSide(_P2PLifecycle):
         pg = self._data_pg
         works = posted.works
         try:
-            if self.check_sequence:
-                posted.header = torch.empty(3, dtype=torch.int64, device=self.device)
-                works.append(pg.recv([posted.header], src, tags.sequence))
             if posted.num_tokens:
                 for (_, tag), buf in zip(tags.fields, posted.tensors):  # noqa: B905
                     works.append(pg.recv([buf], src, tag))
         except RuntimeError as err:
             works.clear()
-            self._fail(err, "recv_attn_output", src)
+            self._fail(err, "recv_dispatch", src)
 
     def _post_ahead(self, stage: int, counts: Sequence[int], left: int, full: bool) -> None:
         """Top ``stage``'s posted receives up to their window (``full``: a stream) or one
@@ -199,31 +278,13 @@ class _FFNSide(_P2PLifecycle):
             counts = control.stage_token_counts[stage]
             self._post_ahead(stage, counts, self.num_layers, stage in self._streaming)
 
-    def recv_attn_output(self, metadata: AFDTransferMetadata) -> list[AFDPayload]:
-        control = self._control
-        if not (  # the hot path: counts as announced by this step's control message
-            self._initialized
-            and self._is_ffn
-            and type(metadata) is AFDTransferMetadata
-            and control is not None
-            and metadata.layer_idx < self.num_layers
-            and metadata.stage_idx < len(control.stage_token_counts)
-            and metadata.num_tokens == control.stage_token_counts[metadata.stage_idx]
-        ):
-            self._check_ready(AFDRole.FFN, "recv_attn_output")
-            if self._expert_parallel:
-                raise AFDConnectorError(
-                    f"recv_attn_output serves one FFN rank; with num_ffn_ranks="
-                    f"{self.topology.num_ffn_ranks} use recv_dispatch"
-                )
-            self._check_metadata(metadata, None)
-            self._expected_ffn_counts(metadata)
-        stage = metadata.stage_idx
+    def _recv_posted(self, layer_idx: int, stage: int, counts: tuple[int, ...]) -> list[AFDPayload]:
+        """The rows of a transfer whose counts the control message fixed (one FFN rank), from
+        the receives posted ahead (or posted now), keeping the stage's window topped up."""
         posted_map = self._posted
         recvs: list[_PostedRecv] = []
         works: list[tuple[Any, int]] = []
-        # One count per served rank (checked by _check_metadata).
-        for src, n in zip(self._served, metadata.num_tokens):  # noqa: B905
+        for src, n in zip(self._served, counts):  # noqa: B905
             queue = posted_map.get((stage, src))
             if queue is None:
                 posted = self._post_recv(stage, src, n)
@@ -246,14 +307,11 @@ class _FFNSide(_P2PLifecycle):
         elif stage in self._seen:
             self._streaming.discard(stage)
         self._seen.add(stage)
-        left = self.num_layers - 1 - metadata.layer_idx
+        left = self.num_layers - 1 - layer_idx
         if left and stage in self._ahead_stages:
-            self._schedule_ahead(stage, metadata.num_tokens, left)
+            self._schedule_ahead(stage, counts, left)
         self._unreplied.add(stage)
-        self._wait(works, "recv_attn_output")
-        if self.check_sequence:
-            self._check_headers(metadata, recvs)
-        self._last_received = metadata
+        self._wait(works, "recv_dispatch")
         return payloads
 
     def _schedule_ahead(self, stage: int, counts: tuple[int, ...], left: int) -> None:
@@ -284,31 +342,13 @@ class _FFNSide(_P2PLifecycle):
         if prepared:
             self._after_reply[stage] = prepared
 
-    def _check_headers(self, metadata: AFDTransferMetadata, recvs: list[_PostedRecv]) -> None:
-        stage = metadata.stage_idx
-        for src, n, posted in zip(self._served, metadata.num_tokens, recvs, strict=True):
-            if posted.header is None:
-                continue
-            got = tuple(int(v) for v in posted.header.tolist())
-            want = (metadata.layer_idx, stage, n)
-            if got != want:
-                self._fail(
-                    AFDProtocolError(
-                        f"sequence check failed: world rank {src} sent (layer, stage, tokens)="
-                        f"{got}, this FFN rank expected {want}"
-                    ),
-                    "recv_attn_output",
-                    src,
-                )
-
-    def send_ffn_output(
+    def send_combine(
         self, outputs: Sequence[torch.Tensor] | torch.Tensor, metadata: AFDTransferMetadata
     ) -> None:
         if not (self._initialized and self._is_ffn):
-            self._check_ready(AFDRole.FFN, "send_ffn_output")
-        if metadata is not self._last_received:  # that one was checked by recv_attn_output
-            self._check_metadata(metadata, None)
-            self._expected_ffn_counts(metadata)
+            self._check_ready(AFDRole.FFN, "send_combine")
+        if metadata is not self._last_received:  # that one was checked by recv_dispatch
+            self._check_reply_metadata(metadata)
         spec = self._reply_spec
         counts = metadata.num_tokens
         parts = split_ffn_outputs(outputs, metadata, spec.width, len(self._served))
@@ -327,7 +367,7 @@ class _FFNSide(_P2PLifecycle):
         stage = metadata.stage_idx
         self._unreplied.discard(stage)
         prepared = self._after_reply.pop(stage, None)
-        if prepared:  # the receives prepared by recv_attn_output go just before this reply
+        if prepared:  # the receives prepared by recv_dispatch go just before this reply
             for src, posted in prepared:
                 self._start_recv(posted, stage, src)
                 self._posted[stage, src].append(posted)
@@ -340,5 +380,20 @@ class _FFNSide(_P2PLifecycle):
                     works.append((pg.send([part.contiguous()], dst, tag), dst))
         except RuntimeError as err:
             works.clear()
-            self._fail(err, "send_ffn_output", None)
-        self._wait(works, "send_ffn_output")
+            self._fail(err, "send_combine", None)
+        self._wait(works, "send_combine")
+
+    def _check_reply_metadata(self, metadata: AFDTransferMetadata) -> None:
+        """A reply's metadata that is not the last one received: one count per served rank,
+        each fitting this step's announced count of its rank (see ``_check_counts``)."""
+        self._check_metadata(metadata, len(self._served))
+        control = self._control
+        if control is None:
+            return
+        if metadata.stage_idx >= control.num_stages:
+            raise AFDPayloadError(
+                "stage_idx", metadata.stage_idx, f"an int in 0..{control.num_stages - 1}"
+            )
+        announced = control.stage_token_counts[metadata.stage_idx]
+        for n, limit in zip(metadata.num_tokens, announced, strict=True):
+            self._check_counts((n,), limit)

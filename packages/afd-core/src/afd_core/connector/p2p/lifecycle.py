@@ -113,8 +113,8 @@ class _P2PLifecycle(AFDSessionConnector):
         self._id = id(self)  # what this connector's handles carry
         self._buffers = RecvBufferPool(self.device, keep=self.reuse_buffers)
         self._stage_tags: dict[int, _StageTags] = {}
-        # Attention side: stage -> its transfers awaiting a reply, in send order.
-        self._reply_queue: dict[int, collections.deque[_PendingRecv]] = {}
+        # Attention side: (stage, FFN world rank) -> transfers awaiting its reply, in send order.
+        self._reply_queue: dict[tuple[int, int], collections.deque[_PendingRecv]] = {}
         # FFN side: (stage, Attention world rank) -> receives posted ahead, in posting order
         # (never empty: a drained entry is removed). Attention side: the same rule mirrored,
         # stage -> token count the FFN rank has receives posted for.
@@ -138,10 +138,11 @@ class _P2PLifecycle(AFDSessionConnector):
         self._control_send: tuple[list[tuple[Any, int]], torch.Tensor] | None = None
         self._control_posted: tuple[list[torch.Tensor], list[tuple[Any, int]]] | None = None
         topo = self.topology
-        # Expert parallel (F > 1): the data plane is send_dispatch / recv_combine /
-        # recv_dispatch (see afd_core.connector.p2p.expert_parallel); with one FFN rank it is the
-        # request/reply path of the two sides.
-        self._expert_parallel = topo.expert_parallel
+        # One FFN rank (F = 1) gets every token of its Attention ranks: a transfer's count is
+        # the step's announced one, so the FFN side posts its receives ahead from the control
+        # message. With F > 1 the count of each (layer, stage) travels in a header first.
+        self._counts_fixed = not topo.expert_parallel
+        self._headers = self.check_sequence or not self._counts_fixed
         if self.role is AFDRole.ATTENTION:
             self._ffn_world_ranks = topo.peers_of(AFDRole.ATTENTION, role_rank)
             self._ffn_world_rank = self._ffn_world_ranks[0]
@@ -150,10 +151,7 @@ class _P2PLifecycle(AFDSessionConnector):
             self._ffn_world_ranks = ()
             self._ffn_world_rank = -1
             self._served = topo.peers_of(AFDRole.FFN, role_rank)
-        # Expert parallel: the step's announced counts (Attention: this rank's per stage;
-        # FFN: the merged message) and, FFN side, the next dispatch headers posted ahead.
-        self._ep_announced: tuple[int, ...] | None = None
-        self._ep_control: AFDControlMessage | None = None
+        # FFN side: the next header of each (stage, Attention world rank), posted ahead.
         self._headers_ahead: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
         self._control_bufs = [torch.empty(CONTROL_WORDS, dtype=torch.int64) for _ in self._served]
         self._timeout = timedelta(seconds=config.timeout_s)
@@ -263,8 +261,6 @@ class _P2PLifecycle(AFDSessionConnector):
         self._control_send = None
         self._control_posted = None
         self._headers_ahead = {}
-        self._ep_announced = None
-        self._ep_control = None
         for name in ("_data_pg", "_ctl_pg"):
             pg = getattr(self, name)
             setattr(self, name, None)
@@ -312,34 +308,36 @@ class _P2PLifecycle(AFDSessionConnector):
             self._control_send = None
             self._wait(pending[0], "send_control", self._timeout)
 
-    def _check_metadata(
-        self, metadata: AFDTransferMetadata, expected: tuple[int, ...] | None
-    ) -> None:
+    def _check_metadata(self, metadata: AFDTransferMetadata, width: int) -> None:
+        """``metadata`` is an :class:`AFDTransferMetadata` of a layer this connector has, with
+        ``width`` counts (one per peer)."""
         if not isinstance(metadata, AFDTransferMetadata):
             raise AFDPayloadError("metadata", type(metadata).__name__, "an AFDTransferMetadata")
         if metadata.layer_idx >= self.num_layers:
             raise AFDPayloadError(
                 "layer_idx", metadata.layer_idx, f"an int in 0..{self.num_layers - 1}"
             )
-        is_attention = self.config.role is AFDRole.ATTENTION
-        width = 1 if is_attention else len(self._served)
         if len(metadata.num_tokens) != width:
             raise AFDPayloadError(
                 "num_tokens", metadata.num_tokens, f"{width} count(s) (one per peer)"
             )
-        if expected is not None:
-            if metadata.stage_idx >= len(expected):
-                raise AFDPayloadError(
-                    "stage_idx", metadata.stage_idx, f"an int in 0..{len(expected) - 1}"
+
+    def _check_counts(self, counts: tuple[int, ...], announced: int) -> None:
+        """Each count fits the stage's ``announced`` count: equal to it with one FFN rank (it
+        gets every token), at most it with several."""
+        for n in counts:
+            if n != announced if self._counts_fixed else n > announced:
+                allowed = (
+                    f"({announced},) as announced"
+                    if self._counts_fixed
+                    else f"at most {announced} rows per peer (this step's announced count)"
                 )
-            announced = expected[metadata.stage_idx]
-            if is_attention and metadata.num_tokens[0] != announced:
-                raise AFDPayloadError(
-                    "num_tokens", metadata.num_tokens, f"({announced},) as announced"
-                )
+                raise AFDPayloadError("num_tokens", counts, allowed)
 
     def _make_stage_tags(self, stage: int) -> _StageTags:
-        tags = self._stage_tags[stage] = _StageTags(stage, self._wire_fields, self._served)
+        tags = self._stage_tags[stage] = _StageTags(
+            stage, self._wire_fields, self._served, self._ffn_world_ranks
+        )
         return tags
 
     def _window(self, n: int) -> int:

@@ -61,11 +61,10 @@ class _PendingRecv:
 class _PostedRecv:
     """FFN side: the posted receive of one stage's next transfer from one Attention rank."""
 
-    __slots__ = ("header", "num_tokens", "payload", "tensors", "works")
+    __slots__ = ("num_tokens", "payload", "tensors", "works")
 
     def __init__(self, num_tokens: int, tensors: list[torch.Tensor], payload: AFDPayload) -> None:
         self.num_tokens = num_tokens
-        self.header: torch.Tensor | None = None
         self.tensors = tensors  # one per payload field, in wire order
         self.payload = payload  # built when prepared: off the receive's path
         self.works: list[Any] = []

@@ -15,9 +15,9 @@ import torch
 from afd_core.errors import AFDProtocolError
 from afd_core.metadata import AFDControlMessage
 
-__all__ = ["CONTROL_WORDS", "PROTOCOL_VERSION"]
+__all__ = ["CONTROL_WORDS", "HEADER_WORDS", "PROTOCOL_VERSION"]
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Version of the P2P wire protocol (handshake, tags, message layout, which receives are posted
 ahead: the Attention side mirrors the FFN side's rule).
 
@@ -29,7 +29,13 @@ ahead: the Attention side mirrors the FFN side's rule).
    ``ready`` barrier.
 6: initialisation rounds opened by world rank 0 (``afd/round``; a rank claimed in a stale round
    waits for the next); FFN ranks beat a heartbeat (``alive/<rank>``) the Attention ranks
-   watch; the handshake carries ``model_identity`` (compared across both roles)."""
+   watch; the handshake carries ``model_identity`` (compared across both roles).
+7: one data plane for every F: the ``(layer, stage, tokens)`` header precedes a transfer's rows
+   when its count is not fixed by the control message (F > 1) or with ``check_sequence``, and is
+   received ahead on the FFN side (fixed size) in both cases."""
+
+HEADER_WORDS = 3
+"""Length (int64 words) of a transfer's header ``(layer, stage, tokens)``."""
 
 CONTROL_WORDS = 64
 """Fixed length (int64 words) of a control message on the wire (room for 59 stages)."""
@@ -63,6 +69,28 @@ def _decode_control(buf: torch.Tensor) -> AFDControlMessage:
     return msg
 
 
+def _header(layer_idx: int, stage_idx: int, num_tokens: int, device: torch.device) -> torch.Tensor:
+    """A transfer's header on the wire: ``(layer, stage, tokens)`` as int64 on the data group's
+    device."""
+    return torch.tensor([layer_idx, stage_idx, num_tokens], dtype=torch.int64, device=device)
+
+
+def _header_mismatch(
+    header: torch.Tensor, layer_idx: int, stage_idx: int, limit: int, exact: bool
+) -> str | None:
+    """What is wrong with a received header (``None``: it is the expected one): its (layer,
+    stage) must be the one asked for and its count ``limit`` (``exact``, the count is fixed by
+    the control message) or at most ``limit``."""
+    layer, stage, n = (int(v) for v in header.tolist())
+    if (layer, stage) == (layer_idx, stage_idx) and (n == limit if exact else 0 <= n <= limit):
+        return None
+    want = f"{limit}" if exact else f"at most {limit}"
+    return (
+        f"header (layer, stage, tokens)={(layer, stage, n)}; expected layer {layer_idx}, stage "
+        f"{stage_idx} and {want} tokens"
+    )
+
+
 def _data_tag(stage_idx: int, field_idx: int, to_ffn: bool) -> int:
     return _DATA_TAG_BASE + (stage_idx * 8 + field_idx) * 2 + (0 if to_ffn else 1)
 
@@ -70,14 +98,19 @@ def _data_tag(stage_idx: int, field_idx: int, to_ffn: bool) -> int:
 class _StageTags:
     """One stage's wire tags and receive-buffer keys (computed once per stage: hot path)."""
 
-    __slots__ = ("fields", "recv_keys", "reply", "reply_key", "sequence")
+    __slots__ = ("fields", "recv_keys", "reply", "reply_keys", "sequence")
 
     def __init__(
-        self, stage: int, wire_fields: tuple[tuple[str, int], ...], served: tuple[int, ...]
+        self,
+        stage: int,
+        wire_fields: tuple[tuple[str, int], ...],
+        served: tuple[int, ...],
+        ffn_ranks: tuple[int, ...],
     ) -> None:
         self.fields = tuple((name, _data_tag(stage, idx, True)) for name, idx in wire_fields)
         self.reply = _data_tag(stage, 0, False)
         self.sequence = _data_tag(stage, _SEQ_FIELD, True)
-        self.reply_key = (-1, stage)  # Attention side: the reply's buffer
+        # Attention side: per FFN world rank, the buffer key of its reply.
+        self.reply_keys = {dst: (-1, stage, dst) for dst in ffn_ranks}
         # FFN side: per served Attention world rank, the buffer key of each field.
         self.recv_keys = {src: tuple((stage, src, idx) for _, idx in wire_fields) for src in served}
