@@ -85,10 +85,12 @@ CASES = [
     Case("qwen3_moe", 2, True),
     Case("deepseek_v2", 1, True),
     Case("deepseek_v2", 2, False),
-    # DeepSeek-V3 routing (noaux_tc grouped top-k, correction bias, sigmoid, scaling 2.5): one
-    # FFN rank only (the bias loads with the FFN's FusedMoE router, see the adapter).
+    # DeepSeek-V3 routing (noaux_tc grouped top-k, correction bias, sigmoid, scaling 2.5): the
+    # bias loads where the experts are selected (the FFN's FusedMoE with one FFN rank, the
+    # Attention role's router with expert parallelism, see the adapter).
     Case("deepseek_v3", 1, False),
     Case("deepseek_v3", 1, True),
+    Case("deepseek_v3", 1, True, 2),
     # Expert parallel: each FFN rank holds half of the routed experts (gate on Attention).
     Case("qwen3_moe", 1, True, 2),
     Case("qwen3_moe", 2, True, 2),

@@ -34,8 +34,8 @@ from afd_runtime.roles import model_param_bytes
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(600)]
 
 FAMILIES = ("qwen3_moe", "deepseek_v2", "deepseek_v3")
-#: Expert parallelism routes on the Attention role; DeepSeek-V3's noaux_tc is refused there.
-EP_FAMILIES = ("qwen3_moe", "deepseek_v2")
+#: Expert parallelism routes on the Attention role (DeepSeek-V3: with its correction bias).
+EP_FAMILIES = FAMILIES
 
 
 @pytest.fixture(scope="module")
@@ -384,6 +384,18 @@ def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
                 want = want[local]
             assert torch.equal(p, want), name
     layer = attn.afd_moe_layer_indices[-1]
+    bias = ".mlp.gate.e_score_correction_bias"
+    attn_biases = {n: p for n, p in _params(attn).items() if n.endswith(bias)}
+    if family == "deepseek_v3":
+        # The experts are selected on the Attention role: the correction bias loads there, once
+        # per MoE layer, and reaches the router the block routes with.
+        assert len(attn_biases) == len(attn.afd_moe_layer_indices)
+        for name, p in attn_biases.items():
+            assert torch.equal(p, plain_params[name]), name
+        mlp = attn.model.layers[layer].mlp
+        assert mlp.afd_router.e_score_correction_bias is mlp.gate.e_score_correction_bias
+    else:
+        assert not attn_biases
     hidden = torch.randn(
         9, plain_cfg.model_config.get_hidden_size(), generator=torch.Generator().manual_seed(3)
     ).to(plain_cfg.model_config.dtype)
@@ -404,6 +416,7 @@ def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
     [
         ("qwen3_moe", {"expert_quant": "w8a8"}),
         ("deepseek_v2", {"expert_quant": "w4a8", "expert_quant_group_size": 32}),
+        ("deepseek_v3", {"expert_quant": "w8a8"}),
     ],
 )
 def test_quantized_ffn_layer_is_within_tolerance_of_the_plain_layer(
@@ -417,7 +430,7 @@ def test_quantized_ffn_layer_is_within_tolerance_of_the_plain_layer(
 
     path = _checkpoint(family)
     plain_cfg, plain = _load(path, None, "float32")
-    gate = family == "deepseek_v2"  # DeepSeek: gate on Attention; Qwen3-MoE: gate on FFN
+    gate = family.startswith("deepseek")  # DeepSeek: gate on Attention; Qwen3-MoE: on FFN
     afd = {"role": "ffn", "port": 1, "compute_gate_on_attention": gate, "ffn_compute": "layered"}
     _, ffn = _load(path, {**afd, **quant}, "float32")
     assert not [n for n, _ in ffn.named_parameters() if ".experts." in n]
@@ -434,7 +447,9 @@ def test_quantized_ffn_layer_is_within_tolerance_of_the_plain_layer(
             if gate:
                 logits = mlp.gate(hidden)[0]
                 shared = mlp.shared_experts(hidden) if mlp.shared_experts is not None else 0
-                want = want - shared  # the FFN role computes the routed experts only
+                # The FFN role computes the routed experts only, unscaled (the Attention block
+                # applies upstream's routed scaling: 2.5 on the tiny DeepSeek-V3).
+                want = (want - shared) / getattr(mlp, "routed_scaling_factor", 1.0)
         got = compute(layer, hidden, logits)
     if not gate:  # Qwen3-MoE's tiny model has no shared expert: the layer is the experts
         assert getattr(plain.model.layers[layer].mlp, "shared_expert", None) is None
@@ -442,6 +457,12 @@ def test_quantized_ffn_layer_is_within_tolerance_of_the_plain_layer(
 
     err = float((got - want).abs().max() / want.abs().max())
     assert err <= QUANT_ERROR_TOLERANCE[quant["expert_quant"]], err
+    if family == "deepseek_v3":
+        # The quantized compute routes with this layer's correction bias, loaded on the FFN.
+        block = ffn.model.layers[layer].mlp
+        bias = block.gate.e_score_correction_bias
+        assert block.afd_router.e_score_correction_bias is bias
+        assert torch.equal(bias, plain.model.layers[layer].mlp.gate.e_score_correction_bias)
     # Expert parallel: each FFN rank quantizes its own experts only.
     ep = {**afd, **quant, "compute_gate_on_attention": True, "num_ffn_ranks": 2}
     halves = [_load(path, {**ep, "ffn_rank": f}, "float32")[1] for f in range(2)]

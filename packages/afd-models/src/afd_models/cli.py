@@ -317,18 +317,6 @@ def demo_config_from_namespace(
             "ranks hold disjoint experts, so the router gate runs on the Attention role)"
         )
     _check_quant_flags(parser, ns)
-    if ns.model is None and ns.family == "deepseek_v3":
-        # DeepSeek-V3's noaux_tc correction bias loads with the FFN's own FusedMoE router, which
-        # neither expert parallelism nor quantized experts use (the adapter refuses both).
-        why = "(noaux_tc routing: the correction bias loads with the FFN's FusedMoE router)"
-        if ns.ffn_ranks > 1:
-            parser.error(
-                f"--ffn-ranks={ns.ffn_ranks!r} with --family deepseek_v3 {why}; allowed: 1"
-            )
-        if ns.expert_quant != "none":
-            parser.error(
-                f"--expert-quant={ns.expert_quant!r} with --family deepseek_v3 {why}; allowed: none"
-            )
     dtype = ns.dtype if ns.dtype is not None else ("float32" if ns.model is None else None)
     options = EngineOptions(
         dtype=dtype,

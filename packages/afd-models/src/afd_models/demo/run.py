@@ -112,20 +112,6 @@ class DemoConfig:
             )
         if self.num_stages not in (1, 2):
             raise ValueError(f"DemoConfig.num_stages={self.num_stages!r}; allowed: 1 or 2")
-        if self.model is None and self.family == "deepseek_v3":
-            # The adapter refuses these at model construction, in the engines; refuse them here
-            # first so the demo starts nothing (noaux_tc's correction bias loads with the FFN's
-            # own FusedMoE router: one FFN rank, float experts).
-            if self.num_ffn_ranks > 1:
-                raise ValueError(
-                    f"DemoConfig.num_ffn_ranks={self.num_ffn_ranks!r} with family='deepseek_v3' "
-                    "(noaux_tc routing); allowed: 1"
-                )
-            if self.expert_quant != "none":
-                raise ValueError(
-                    f"DemoConfig.expert_quant={self.expert_quant!r} with family='deepseek_v3' "
-                    "(noaux_tc routing); allowed: 'none'"
-                )
         if self.max_tokens < 1:
             raise ValueError(f"DemoConfig.max_tokens={self.max_tokens!r} must be >= 1")
         if self.concurrency < 1:

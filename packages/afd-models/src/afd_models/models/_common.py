@@ -177,6 +177,8 @@ class FFNMoEBlock(nn.Module):
         # top-k and the FusedMoE (built by build_expert_parallel_experts) computes local slots.
         self.expert_map = expert_map
         self.ffn_rank = ffn_rank
+        # Quantized experts with one FFN rank: this layer's vLLM router (set by the model).
+        self.afd_router: Any = None
         self._local_table = None if expert_map is None else expert_map.local_table(ffn_rank)
         # The Attention side applies upstream's routed scaling rule (see RemoteMoEBlock), so the
         # runner returns the unscaled routed output.
@@ -308,7 +310,6 @@ class AFDFFNCausalLM(nn.Module):
         weights_mapper: Any = None,
         local_experts: tuple[int, ...] | None = None,
         quant: tuple[QuantScheme, int] | None = None,
-        router: Any = None,
         compute_top_k: int | None = None,
         moe_attr: str = "mlp",
     ) -> None:
@@ -316,10 +317,10 @@ class AFDFFNCausalLM(nn.Module):
         # The decoder layer's attribute holding the MoE block (``mlp``; DeepSeek-V4: ``ffn``).
         self._moe_attr = moe_attr
         self._local_experts = local_experts
-        # Quantized experts (expert_quant != none): (scheme, group size), the model's router
-        # (one FFN rank; expert parallel routes on Attention) and the compute's top-k width.
+        # Quantized experts (expert_quant != none): (scheme, group size) and the compute's top-k
+        # width; each block routes with its own ``afd_router`` (one FFN rank; expert parallel
+        # routes on Attention).
         self._quant = quant
-        self._router = router
         self.afd_compute_top_k = compute_top_k
         self.afd_moe_layer_indices: tuple[int, ...] = tuple(moe_layer_indices)
         self.afd_payload_spec = payload_spec
@@ -406,7 +407,6 @@ class AFDFFNCausalLM(nn.Module):
         :func:`afd_models.models._quantized.route`)."""
         return route(
             getattr(self.model.layers[layer_idx], self._moe_attr),
-            self._router,
             hidden_states,
             router_logits,
             topk,
@@ -470,8 +470,12 @@ class AFDRoleModelMixin:
         raise NotImplementedError
 
     @staticmethod
-    def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
-        """The checkpoint-name classifier (see :mod:`afd_models._weight_utils`)."""
+    def _afd_classifier(
+        config: Any, gate_on_attention: bool, attention_routes: bool = False
+    ) -> Classifier:
+        """The checkpoint-name classifier (see :mod:`afd_models._weight_utils`);
+        ``attention_routes``: the Attention role selects the experts (expert parallelism), so
+        whatever only expert selection reads (a routing bias) loads there."""
         raise NotImplementedError
 
     @staticmethod
@@ -487,8 +491,16 @@ class AFDRoleModelMixin:
     @staticmethod
     def _afd_router_kwargs(config: Any) -> dict[str, Any]:
         """``create_fused_moe_router`` arguments of upstream's FusedMoE (expert parallelism
-        routes on the Attention role with them)."""
+        routes on the Attention role with them), but the routing bias (see
+        :meth:`_afd_uses_routing_bias`)."""
         raise NotImplementedError
+
+    @staticmethod
+    def _afd_uses_routing_bias(config: Any) -> bool:
+        """True when expert selection adds a per-layer learned bias (DeepSeek-V3's
+        ``e_score_correction_bias``): every router outside the FusedMoE then needs its layer's
+        bias parameter (:meth:`afd_router`)."""
+        return False
 
     @staticmethod
     def _afd_routes_by_token_id(config: Any) -> bool:
@@ -536,14 +548,31 @@ class AFDRoleModelMixin:
         return AFDTopology.from_config(afd).expert_map(cls._afd_num_experts(config))
 
     @classmethod
-    def afd_attention_router(cls, vllm_config: Any) -> tuple[Any, int] | None:
+    def afd_router(cls, config: Any, bias: torch.Tensor | None) -> Any:
+        """vLLM's router of one MoE layer as upstream's FusedMoE builds it, with that layer's
+        routing ``bias`` parameter (the router reads it at every call, so it may be loaded
+        later), which the model needs exactly when :meth:`_afd_uses_routing_bias`."""
+        kwargs = cls._afd_router_kwargs(config)
+        if cls._afd_uses_routing_bias(config) != (bias is not None):
+            raise ValueError(
+                f"routing bias {'missing' if bias is None else 'given'} for a model that "
+                f"{'uses' if bias is None else 'has'} {'one' if bias is None else 'none'}"
+            )
+        if bias is not None:
+            kwargs["e_score_correction_bias"] = bias
+        return build_router(**kwargs)
+
+    @classmethod
+    def afd_attention_router(
+        cls, vllm_config: Any, bias: torch.Tensor | None = None
+    ) -> tuple[Any, int] | None:
         """Expert parallel, Attention role: ``(vLLM router, num_experts)`` for the adapter's
-        :class:`RemoteMoEBlock` (``None`` with one FFN rank)."""
+        :class:`RemoteMoEBlock` (``None`` with one FFN rank); ``bias``: see :meth:`afd_router`."""
         afd = afd_config_of(vllm_config)
         if afd is None or afd.num_ffn_ranks == 1:
             return None
         config = cls._afd_hf_config(vllm_config)
-        return build_router(**cls._afd_router_kwargs(config)), cls._afd_num_experts(config)
+        return cls.afd_router(config, bias), cls._afd_num_experts(config)
 
     @classmethod
     def _afd_build_ep_block(
@@ -590,22 +619,31 @@ class AFDRoleModelMixin:
         scheme = quant_scheme(afd)
         quant = None if scheme is None else (scheme, afd.expert_quant_group_size)
         top_k = cls._afd_top_k(config)
-        router = None
         if quant is not None and emap is None:
-            router = build_router(**cls._afd_router_kwargs(config))
+            # The quantized computes route here (one FFN rank): each block gets its layer's
+            # router, with its routing bias when the model has one.
+            build_float_block = build_block
+
+            def build_block(i: int, p: str) -> FFNMoEBlock:
+                block = build_float_block(i, p)
+                bias = getattr(block.gate, "e_score_correction_bias", None)
+                block.afd_router = cls.afd_router(config, bias)
+                return block
+
         if emap is not None:
             top_k = min(top_k, emap.num_local(afd.ffn_rank))
         return AFDFFNCausalLM(
             num_layers=config.num_hidden_layers,
             moe_layer_indices=cls._afd_moe_layer_indices(config),
             build_block=build_block,
-            classify=cls._afd_classifier(config, gate_on_attention),
+            classify=cls._afd_classifier(
+                config, gate_on_attention, attention_routes=emap is not None
+            ),
             payload_spec=cls._afd_payload_spec(vllm_config, afd),
             prefix=prefix,
             weights_mapper=cls._afd_weights_mapper,
             local_experts=local,
             quant=quant,
-            router=router,
             compute_top_k=top_k if quant is not None else None,
             moe_attr=cls._afd_moe_attr,
         )
@@ -622,7 +660,9 @@ class AFDRoleModelMixin:
         self.num_local_physical_experts = 0
         for name, value in self._afd_eplb_attributes(config).items():
             setattr(self, name, value)
-        self._afd_classify = self._afd_classifier(config, afd.compute_gate_on_attention)
+        self._afd_classify = self._afd_classifier(
+            config, afd.compute_gate_on_attention, attention_routes=afd.num_ffn_ranks > 1
+        )
         self.afd_moe_layer_indices = self._afd_moe_layer_indices(config)
         self.afd_payload_spec = self._afd_payload_spec(vllm_config, afd)
 

@@ -100,25 +100,29 @@ def quantize_experts(
         block.afd_gate_weight = None if weight is None else weight.data.clone()
         holder = getattr(block.experts, "routed_experts", block.experts)
         block.experts = None
-        # Only the routed experts' storage: the runner also holds the gate (still used).
+        # Only the routed experts' storage: the runner also holds the gate and its routing bias
+        # (DeepSeek-V3's correction bias, shared with the block's router: still used).
+        kept_params = set() if gate is None else {id(p) for p in gate.parameters()}
         for p in holder.parameters():
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+            if id(p) not in kept_params:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
     return weights, kept
 
 
 def route(
     block: Any,
-    router: Any,
     hidden_states: torch.Tensor,
     router_logits: torch.Tensor | None,
     topk: tuple[torch.Tensor, torch.Tensor] | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rank-local top-k ``(weights float32, ids int32)`` of one layer's tokens."""
+    """Rank-local top-k ``(weights float32, ids int32)`` of one layer's tokens: the global
+    top-k localised (expert parallel), else the block's own router (``block.afd_router``)."""
     if topk is not None:
         if block.expert_map is None:
             raise ValueError("top-k given to an FFN block without an expert map")
         weights, ids = block.expert_map.localise(block.ffn_rank, topk[0], topk[1])
         return weights.float(), ids.to(torch.int32)
+    router = block.afd_router
     if router is None:
         raise ValueError("no router: this FFN model was not built for quantized experts")
     if router_logits is None:

@@ -56,20 +56,25 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
     )
 
 
-def deepseek_classifier(gate_on_attention: bool, num_layers: int) -> Any:
-    """Routed experts and the routing bias -> FFN; gate weight -> its side; the rest -> Attention.
+def deepseek_classifier(
+    gate_on_attention: bool, num_layers: int, attention_routes: bool = False
+) -> Any:
+    """Routed experts -> FFN; gate weight -> its side; the routing bias -> where experts are
+    selected; the rest -> Attention.
 
-    The ``e_score_correction_bias`` (V3 ``noaux_tc``) is used only when selecting experts, which
-    always happens on the FFN role. Layers at or beyond ``num_layers`` (V3's MTP / speculative
-    layers, which upstream skips too) go to neither role.
+    The ``e_score_correction_bias`` (V3 ``noaux_tc``) is used only when selecting experts: on the
+    FFN role with one FFN rank (its FusedMoE, or the quantized computes' router), on the
+    Attention role with expert parallelism (``attention_routes``). Layers at or beyond
+    ``num_layers`` (V3's MTP / speculative layers, which upstream skips too) go to neither role.
     """
+    bias_owner = WeightOwner.ATTENTION if attention_routes else WeightOwner.FFN
 
     def classify(name: str) -> WeightOwner:
         idx = layer_index(name)
         if idx is not None and idx >= num_layers:
             return WeightOwner.NONE
         if name.endswith(_BIAS_SUFFIX):
-            return WeightOwner.FFN
+            return bias_owner
         return classify_moe_weight(name, gate_on_attention=gate_on_attention)
 
     return classify
@@ -125,7 +130,16 @@ class AFDAttnDeepseekV2MoE(RemoteMoEBlock):
                 reduce_results=False,
                 prefix=f"{prefix}.shared_experts",
             )
-        routed = AFDDeepseekV2ForCausalLM.afd_attention_router(get_current_vllm_config())
+        bias = None
+        if afd.num_ffn_ranks > 1 and _uses_correction_bias(config):
+            assert gate is not None  # expert parallelism runs the gate on Attention
+            # Expert parallelism selects the experts here, so the bias loads here (as upstream's
+            # DeepseekV2MoE registers it, on the gate).
+            gate.e_score_correction_bias = nn.Parameter(
+                torch.empty(config.n_routed_experts, dtype=torch.float32)
+            )
+            bias = gate.e_score_correction_bias
+        routed = AFDDeepseekV2ForCausalLM.afd_attention_router(get_current_vllm_config(), bias)
         super().__init__(
             layer_idx=int(prefix.split(".")[-2]),
             gate=gate,
@@ -212,12 +226,6 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
         # What build_ffn_block's FusedMoE (configured as upstream's DeepseekV2MoE) hands vLLM's
         # router factory; routed scaling is applied to the output (apply_routed_scale_to_output),
         # so the router's factor is 1.0 there too.
-        if _uses_correction_bias(config):
-            raise NotImplementedError(
-                "topk_method='noaux_tc' with routing outside the FusedMoE (num_ffn_ranks > 1, or "
-                "quantized experts: the correction bias would have to load with the router); "
-                "allowed for this model: one FFN rank with ffn_compute='native'"
-            )
         return {
             "top_k": config.num_experts_per_tok,
             "global_num_experts": config.n_routed_experts,
@@ -230,8 +238,14 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
         }
 
     @staticmethod
-    def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
-        return deepseek_classifier(gate_on_attention, config.num_hidden_layers)
+    def _afd_uses_routing_bias(config: Any) -> bool:
+        return _uses_correction_bias(config)
+
+    @staticmethod
+    def _afd_classifier(
+        config: Any, gate_on_attention: bool, attention_routes: bool = False
+    ) -> Classifier:
+        return deepseek_classifier(gate_on_attention, config.num_hidden_layers, attention_routes)
 
     @staticmethod
     def _afd_eplb_attributes(config: Any) -> dict[str, Any]:

@@ -240,7 +240,9 @@ class AFDDeepseekV4ForCausalLM(AFDRoleModelMixin, DeepseekV4ForCausalLM):
         raise AFDConfigError("ffn_compute", "routing outside the FusedMoE", "native, one FFN rank")
 
     @staticmethod
-    def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
+    def _afd_classifier(
+        config: Any, gate_on_attention: bool, attention_routes: bool = False
+    ) -> Classifier:
         return deepseek_v4_classifier(config.num_hidden_layers)
 
     @classmethod

@@ -150,7 +150,9 @@ class AFDQwen3_5MoeForCausalLM(AFDRoleModelMixin, upstream.Qwen3_5MoeForCausalLM
         }
 
     @staticmethod
-    def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
+    def _afd_classifier(
+        config: Any, gate_on_attention: bool, attention_routes: bool = False
+    ) -> Classifier:
         return qwen3_5_moe_classifier(gate_on_attention)
 
     @staticmethod

@@ -200,7 +200,9 @@ class AFDQwen3MoeForCausalLM(AFDRoleModelMixin, upstream.Qwen3MoeForCausalLM):
         }
 
     @staticmethod
-    def _afd_classifier(config: Any, gate_on_attention: bool) -> Classifier:
+    def _afd_classifier(
+        config: Any, gate_on_attention: bool, attention_routes: bool = False
+    ) -> Classifier:
         return qwen3_moe_classifier(gate_on_attention)
 
     @staticmethod
