@@ -210,3 +210,19 @@ def test_split_ffn_outputs_splits_by_peer_and_names_a_bad_reply() -> None:
         split_ffn_outputs(torch.zeros(4, 4), meta, 4, 3)
     with pytest.raises(AFDPayloadError, match="3 tensors"):
         split_ffn_outputs([torch.zeros(2, 4)], meta, 4, 3)
+
+
+def test_transfer_counts_rule_exact_with_one_ffn_rank_at_most_with_several() -> None:
+    from afd_core.connector.base import check_transfer_counts
+    from afd_core.errors import AFDPayloadError
+
+    check_transfer_counts((5,), (5,), one_ffn_rank=True)
+    check_transfer_counts((0, 5, 3), (5, 5, 5), one_ffn_rank=False)
+    for counts in ((4,), (6,)):  # one FFN rank gets every token: fewer is wrong too
+        with pytest.raises(AFDPayloadError) as err:
+            check_transfer_counts(counts, (5,), one_ffn_rank=True)
+        assert err.value.field == "num_tokens" and err.value.value == counts
+        assert "(5,) as announced" in str(err.value)
+    with pytest.raises(AFDPayloadError) as err:
+        check_transfer_counts((2, 6), (5, 5), one_ffn_rank=False)
+    assert err.value.field == "num_tokens" and "at most (5, 5) rows" in str(err.value)

@@ -356,6 +356,24 @@ class _InProcessExpertParallel(AFDConnectorBase):
         raise NotImplementedError
 
 
+def test_router_refuses_a_missing_or_unexpected_routing_bias(vllm_env: None) -> None:
+    """A router outside the FusedMoE must get its layer's bias exactly when the model routes
+    with one: without it DeepSeek-V3 would route silently without the correction bias."""
+    from types import SimpleNamespace
+
+    from afd_models.models.deepseek_v2 import AFDDeepseekV2ForCausalLM
+    from afd_models.models.qwen3_moe import AFDQwen3MoeForCausalLM
+
+    v3 = SimpleNamespace(
+        topk_method="noaux_tc", num_experts_per_tok=2, n_routed_experts=8, norm_topk_prob=True
+    )
+    with pytest.raises(ValueError, match="routing bias missing"):
+        AFDDeepseekV2ForCausalLM.afd_router(v3, None)
+    qwen = SimpleNamespace(num_experts_per_tok=2, num_experts=8, norm_topk_prob=True)
+    with pytest.raises(ValueError, match="routing bias given"):
+        AFDQwen3MoeForCausalLM.afd_router(qwen, torch.zeros(8))
+
+
 @pytest.mark.parametrize("family", EP_FAMILIES)
 def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
     vllm_env: None, family: str

@@ -56,6 +56,7 @@ __all__ = [
     "AFDConnectorBase",
     "AFDGroupInfo",
     "AFDTransferHandle",
+    "check_transfer_counts",
     "merge_control_messages",
 ]
 
@@ -390,6 +391,25 @@ class AFDConnectorBase(ABC):
     def recv_control(self, timeout_s: float | None = None) -> AFDControlMessage:
         """FFN side: the step's counts, one entry per served Attention rank per stage."""
         raise AFDConnectorError(f"connector {self.name!r} has no control plane")
+
+
+def check_transfer_counts(
+    counts: tuple[int, ...], announced: Sequence[int], one_ffn_rank: bool
+) -> None:
+    """The data plane's count rule: with one FFN rank every token goes to it, so each count
+    equals its peer's ``announced`` count for the stage; with several, each is at most it.
+
+    Raises:
+        AFDPayloadError: naming ``num_tokens``, the counts and what the rule allows.
+    """
+    for n, limit in zip(counts, announced, strict=True):
+        if (n != limit) if one_ffn_rank else (n > limit):
+            allowed = (
+                f"{tuple(announced)} as announced (one FFN rank gets every token)"
+                if one_ffn_rank
+                else f"at most {tuple(announced)} rows (this step's announced counts)"
+            )
+            raise AFDPayloadError("num_tokens", counts, allowed)
 
 
 def split_ffn_outputs(

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector.base import (
     AFDTransferHandle,
+    check_transfer_counts,
     merge_control_messages,
     split_ffn_outputs,
 )
@@ -264,11 +265,8 @@ class InProcessConnector(AFDSessionConnector):
             )
         if len(payloads) != len(ranks):
             raise AFDPayloadError("payloads", len(payloads), f"{len(ranks)} (one per FFN rank)")
-        exact = len(ranks) == 1  # one FFN rank gets every token
-        for n in metadata.num_tokens:
-            if (n != announced) if exact else (n > announced):
-                allowed = f"({announced},) as announced" if exact else f"at most {announced} rows"
-                raise AFDPayloadError("num_tokens", metadata.num_tokens, allowed)
+        counts = metadata.num_tokens
+        check_transfer_counts(counts, (announced,) * len(counts), len(ranks) == 1)
         for payload, n in zip(payloads, metadata.num_tokens, strict=True):
             self.payload_spec.validate_payload(payload, n, self.device.type)
         for dst, payload, n in zip(ranks, payloads, metadata.num_tokens, strict=True):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from afd_core.config import AFDRole
-from afd_core.connector.base import AFDTransferHandle
+from afd_core.connector.base import AFDTransferHandle, check_transfer_counts
 from afd_core.connector.p2p.lifecycle import _P2PLifecycle
 from afd_core.connector.p2p.recv_ahead import _PendingRecv
 from afd_core.connector.p2p.wire import (
@@ -203,7 +203,8 @@ class _AttentionSide(_P2PLifecycle):
             raise AFDPayloadError(
                 "payloads", len(payloads), f"{width} payload(s) (one per FFN rank)"
             )
-        self._check_counts(metadata.num_tokens, announced[stage])
+        counts = metadata.num_tokens
+        check_transfer_counts(counts, (announced[stage],) * len(counts), self._counts_fixed)
 
     def _post_reply(self, state: _PendingRecv, tags: _StageTags) -> None:
         """Post the receive of ``state``'s reply into a buffer from the pool.
@@ -254,6 +255,7 @@ class _AttentionSide(_P2PLifecycle):
                 state.recv_work = None
         self._wait(works, "recv_combine")
         out: list[torch.Tensor] = []
+        empty: torch.Tensor | None = None  # one for every zero-row reply of this call
         for state in states:
             if state.num_tokens:
                 queue = self._reply_queue[state.stage, state.peer]
@@ -271,7 +273,11 @@ class _AttentionSide(_P2PLifecycle):
             result = state.buffer
             state.buffer = None
             if result is None:  # zero tokens: nothing was on the wire
-                result = torch.empty((0, self._hidden), dtype=self._out_dtype, device=self.device)
+                if empty is None:
+                    empty = torch.empty(
+                        (0, self._hidden), dtype=self._out_dtype, device=self.device
+                    )
+                result = empty
             out.append(result)
         if self._control_send is not None:  # complete: the FFN ranks replied, so they have it
             self._finish_control_send()

@@ -21,7 +21,11 @@ from typing import Any
 import torch
 
 from afd_core.config import AFDRole
-from afd_core.connector.base import merge_control_messages, split_ffn_outputs
+from afd_core.connector.base import (
+    check_transfer_counts,
+    merge_control_messages,
+    split_ffn_outputs,
+)
 from afd_core.connector.p2p.groups import _LONG_WAIT
 from afd_core.connector.p2p.lifecycle import _P2PLifecycle
 from afd_core.connector.p2p.recv_ahead import _PostedRecv
@@ -167,10 +171,11 @@ class _FFNSide(_P2PLifecycle):
         exact = self._counts_fixed
         counts: list[int] = []
         for (header, _), src, limit in zip(posted, served, limits, strict=True):
-            wrong = _header_mismatch(header, layer_idx, stage_idx, limit, exact)
+            values = header.tolist()  # one conversion: (layer, stage, tokens)
+            wrong = _header_mismatch(values, layer_idx, stage_idx, limit, exact)
             if wrong is not None:
                 self._fail(AFDProtocolError(f"world rank {src} sent {wrong}"), "recv_dispatch", src)
-            counts.append(int(header[2]))
+            counts.append(values[2])
         return tuple(counts)
 
     def _recv_rows(self, stage: int, counts: tuple[int, ...]) -> list[AFDPayload]:
@@ -189,7 +194,7 @@ class _FFNSide(_P2PLifecycle):
     def _post_recv(self, stage: int, src: int, n: int) -> _PostedRecv:
         """Post the receives of ``stage``'s next transfer (``n`` tokens) from world rank ``src``.
 
-        The common case (hidden states only, no sequence header) posts before it builds the
+        The common case (hidden states only) posts before it builds the
         payload objects: on a receive posted when asked for, everything before the posting
         delays the sender (it waits for the receive's notice), and on a busy host that code
         runs with cold caches right after this thread woke up."""
@@ -385,7 +390,7 @@ class _FFNSide(_P2PLifecycle):
 
     def _check_reply_metadata(self, metadata: AFDTransferMetadata) -> None:
         """A reply's metadata that is not the last one received: one count per served rank,
-        each fitting this step's announced count of its rank (see ``_check_counts``)."""
+        each fitting this step's announced count of its rank (``check_transfer_counts``)."""
         self._check_metadata(metadata, len(self._served))
         control = self._control
         if control is None:
@@ -395,5 +400,4 @@ class _FFNSide(_P2PLifecycle):
                 "stage_idx", metadata.stage_idx, f"an int in 0..{control.num_stages - 1}"
             )
         announced = control.stage_token_counts[metadata.stage_idx]
-        for n, limit in zip(metadata.num_tokens, announced, strict=True):
-            self._check_counts((n,), limit)
+        check_transfer_counts(metadata.num_tokens, announced, self._counts_fixed)

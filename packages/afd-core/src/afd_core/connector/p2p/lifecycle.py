@@ -322,18 +322,6 @@ class _P2PLifecycle(AFDSessionConnector):
                 "num_tokens", metadata.num_tokens, f"{width} count(s) (one per peer)"
             )
 
-    def _check_counts(self, counts: tuple[int, ...], announced: int) -> None:
-        """Each count fits the stage's ``announced`` count: equal to it with one FFN rank (it
-        gets every token), at most it with several."""
-        for n in counts:
-            if n != announced if self._counts_fixed else n > announced:
-                allowed = (
-                    f"({announced},) as announced"
-                    if self._counts_fixed
-                    else f"at most {announced} rows per peer (this step's announced count)"
-                )
-                raise AFDPayloadError("num_tokens", counts, allowed)
-
     def _make_stage_tags(self, stage: int) -> _StageTags:
         tags = self._stage_tags[stage] = _StageTags(
             stage, self._wire_fields, self._served, self._ffn_world_ranks

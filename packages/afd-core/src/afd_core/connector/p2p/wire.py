@@ -76,12 +76,12 @@ def _header(layer_idx: int, stage_idx: int, num_tokens: int, device: torch.devic
 
 
 def _header_mismatch(
-    header: torch.Tensor, layer_idx: int, stage_idx: int, limit: int, exact: bool
+    header: list[int], layer_idx: int, stage_idx: int, limit: int, exact: bool
 ) -> str | None:
-    """What is wrong with a received header (``None``: it is the expected one): its (layer,
-    stage) must be the one asked for and its count ``limit`` (``exact``, the count is fixed by
-    the control message) or at most ``limit``."""
-    layer, stage, n = (int(v) for v in header.tolist())
+    """What is wrong with a received header's ``(layer, stage, tokens)`` (``None``: it is the
+    expected one): its (layer, stage) must be the one asked for and its count ``limit``
+    (``exact``, the count is fixed by the control message) or at most ``limit``."""
+    layer, stage, n = header
     if (layer, stage) == (layer_idx, stage_idx) and (n == limit if exact else 0 <= n <= limit):
         return None
     want = f"{limit}" if exact else f"at most {limit}"
