@@ -22,3 +22,24 @@ def test_row_gather_concatenates_in_rank_order() -> None:
     ).tolist()
     for rank in range(world_size):
         assert results[rank] == ("ok", expected), f"rank {rank}: {results[rank]}"
+
+
+@pytest.mark.parametrize(
+    ("n", "t", "rows"), [(0, 2, 0), (1, 2, 1), (2, 2, 1), (3, 2, 2), (5, 1, 5), (17, 4, 5)]
+)
+def test_rows_per_tp_rank_is_the_ceiling_share(n: int, t: int, rows: int) -> None:
+    from afd_core.collectives import rows_per_tp_rank
+
+    assert rows_per_tp_rank(n, t) == rows
+    # T slices of that size cover the tokens with fewer than T padding rows.
+    assert 0 <= rows * t - n < t
+
+
+def test_rows_per_tp_rank_refuses_bad_input() -> None:
+    from afd_core.collectives import rows_per_tp_rank
+    from afd_core.errors import AFDPayloadError
+
+    for n, t, field in ((-1, 2, "num_tokens"), (3, 0, "tp_size"), (True, 2, "num_tokens")):
+        with pytest.raises(AFDPayloadError) as info:
+            rows_per_tp_rank(n, t)  # type: ignore[arg-type]
+        assert info.value.field == field

@@ -45,6 +45,7 @@ def test_full_mapping_and_roundtrip() -> None:
         "port": 4000,
         "num_attention_ranks": 5,
         "num_ffn_ranks": 3,
+        "attention_tp_size": "2",
         "ffn_rank": 2,
         "compute_gate_on_attention": True,
         "num_stages": "2",
@@ -60,6 +61,7 @@ def test_full_mapping_and_roundtrip() -> None:
     assert c.role is AFDRole.FFN and c.is_ffn
     assert c.to_mapping() == {
         **raw,
+        "attention_tp_size": 2,
         "num_stages": 2,
         "timeout_s": 7.0,
         "startup_timeout_s": 30.0,
@@ -130,6 +132,10 @@ INVALID: list[tuple[str, Any]] = [
     ("num_ffn_ranks", 0),
     ("num_ffn_ranks", True),
     ("num_ffn_ranks", 1.0),
+    ("attention_tp_size", 0),
+    ("attention_tp_size", True),
+    ("attention_tp_size", 2.0),
+    ("attention_tp_size", 65537),
     ("ffn_rank", 1),  # an FFN-role field, not 0 on the Attention role
     ("compute_gate_on_attention", 1),
     ("compute_gate_on_attention", 0),
@@ -419,6 +425,7 @@ def test_agreement_hash_covers_exactly_the_shared_fields() -> None:
         {"connector_extra_config": {"check_sequence": True}},
         {"compute_gate_on_attention": False, "num_ffn_ranks": 1},
         {"num_attention_ranks": 3},
+        {"attention_tp_size": 2},  # the FFN ranks must expect every TP worker as a peer
         {"num_ffn_ranks": 1},
         {"port": 1240},
         {"host": "127.0.0.2"},
@@ -476,3 +483,12 @@ def test_ffn_loss_grace_zero_accepted_and_local_to_each_role() -> None:
     held = AFDConfig.from_mapping({"role": "attention", "ffn_loss_grace_s": 5})
     # The FFN role never reads it: the roles need not agree on it.
     assert held.agreement_hash() == cfg().agreement_hash()
+
+
+def test_attention_peers_are_bounded_by_the_rank_limit() -> None:
+    """A x T Attention peers: each count valid alone, the product too large, refused naming
+    attention_tp_size and the largest value allowed."""
+    with pytest.raises(AFDConfigError) as info:
+        AFDConfig(role=AFDRole.ATTENTION, num_attention_ranks=4, attention_tp_size=16385)
+    assert (info.value.field, info.value.value) == ("attention_tp_size", 16385)
+    assert info.value.allowed.startswith("at most 16384 with num_attention_ranks=4")

@@ -322,8 +322,8 @@ def test_handshake_fields_cover_contract() -> None:
     )
     fields = conn.handshake_fields()
     assert fields["hidden_size"] == 8 and fields["dtype"] == "bfloat16"
-    assert fields["num_layers"] == 5 and fields["topology"] == [3, 2]
-    assert fields["protocol_version"] == 7
+    assert fields["num_layers"] == 5 and fields["topology"] == [3, 2, 1]
+    assert fields["protocol_version"] == 8
     assert fields["role"] == "ffn" and fields["role_agreement"] == {}
     assert fields["model_identity"] == {}
     assert fields["config_hash"] == conn.config.agreement_hash()

@@ -144,3 +144,35 @@ def test_localise_keeps_own_slots_and_zeroes_the_rest() -> None:
     with pytest.raises(AFDConfigError) as info:
         emap.localise(0, w, torch.tensor([[1, 8], [0, 0], [0, 0]], dtype=torch.int32))
     assert info.value.field == "topk_ids"
+
+
+@pytest.mark.parametrize(("a", "t", "f"), list(itertools.product((1, 2, 3), (1, 2, 4), (1, 2))))
+def test_tensor_parallel_attention_workers_are_peers(a: int, t: int, f: int) -> None:
+    """Each of the A x T Attention TP workers is a peer: world ranks 0..A*T-1, then the FFN
+    ranks; (dp_rank, tp_rank) maps one to one onto the peers, data-parallel rank major."""
+    topo = AFDTopology(a, f, t)
+    assert topo.num_attention_peers == a * t
+    assert topo.world_size == a * t + f
+    assert topo.role_size(AFDRole.ATTENTION) == a * t
+    peers = [topo.attention_peer(dp, tp) for dp in range(a) for tp in range(t)]
+    assert peers == list(range(a * t))
+    for rr in range(f):
+        assert topo.attention_ranks_for(rr) == tuple(range(a * t))
+    assert topo.world_rank(AFDRole.FFN, 0) == a * t
+    assert topo.role_of(a * t - 1) == (AFDRole.ATTENTION, a * t - 1)
+    for field, call in (
+        ("data_parallel_rank", lambda: topo.attention_peer(a, 0)),
+        ("tp_rank", lambda: topo.attention_peer(0, t)),
+        ("tp_rank", lambda: topo.attention_peer(0, True)),
+    ):
+        with pytest.raises(AFDConfigError) as info:
+            call()
+        assert info.value.field == field
+
+
+def test_from_config_carries_the_attention_tp_size() -> None:
+    c = AFDConfig(role=AFDRole.FFN, num_attention_ranks=2, attention_tp_size=2)
+    assert AFDTopology.from_config(c) == AFDTopology(2, 1, 2)
+    with pytest.raises(AFDConfigError) as info:
+        AFDTopology(1, 1, 0)
+    assert info.value.field == "attention_tp_size"

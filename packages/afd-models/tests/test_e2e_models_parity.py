@@ -68,11 +68,18 @@ class Case:
     num_stages: int = 1
     max_num_seqs: int | None = None  # None: parity_options' choice
     delay_ms: int = 0  # AFD_INJECT_DELAY_MS on both roles
+    tp: int = 1  # the Attention role's --tensor-parallel-size (plain vLLM runs with the same)
+
+    @property
+    def peers(self) -> int:
+        """Attention peers of the FFN ranks: every TP worker of every data-parallel rank."""
+        return self.num_attention_ranks * self.tp
 
     @property
     def id(self) -> str:
         gate = "gate_attn" if self.gate_on_attention else "gate_ffn"
-        name = f"{self.family}-{self.num_attention_ranks}A{self.num_ffn_ranks}F-{gate}"
+        tp = f"TP{self.tp}" if self.tp > 1 else ""
+        name = f"{self.family}-{self.num_attention_ranks}A{tp}{self.num_ffn_ranks}F-{gate}"
         if self.num_stages > 1:
             name += f"-{self.num_stages}stages"
         return name + ("-delayed" if self.delay_ms else "")
@@ -96,11 +103,24 @@ CASES = [
     Case("qwen3_moe", 2, True, 2),
     Case("deepseek_v2", 1, True, 2),
     Case("deepseek_v2", 2, True, 2),
+    # Tensor-parallel Attention: each TP worker sends its ceil(N/2) slice of the tokens (routed
+    # TP padding) and the slices' outputs are all-gathered; the baseline is plain vLLM at TP 2.
+    Case("qwen3_moe", 1, False, tp=2),
+    Case("qwen3_moe", 1, True, 2, tp=2),
     # Two stages, overlapped (see the module docstring).
     Case("qwen3_moe", 1, False, num_stages=2),
     Case("qwen3_moe", 2, False, num_stages=2, delay_ms=4),
     Case("deepseek_v2", 1, True, num_stages=2, max_num_seqs=2),
 ]
+
+
+def _afd_extra(case: Case) -> dict[str, int] | None:
+    extra = {}
+    if case.num_stages > 1:
+        extra["num_stages"] = case.num_stages
+    if case.tp > 1:
+        extra["attention_tp_size"] = case.tp
+    return extra or None
 
 
 def _log_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -125,29 +145,35 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-_BASELINES: dict[str, tuple[BatchResult, BatchResult]] = {}
+_BASELINES: dict[tuple[str, int], tuple[BatchResult, BatchResult]] = {}
 
 
 @pytest.fixture(scope="session")
 def baseline(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> object:
-    """``baseline(family)`` -> plain vLLM outputs; each family's engine runs once, then stops."""
+    """``baseline(family, tp)`` -> plain vLLM outputs at ``--tensor-parallel-size tp``; each
+    (family, tp) engine runs once, then stops."""
 
-    def get(family: str) -> tuple[BatchResult, BatchResult]:
-        if family not in _BASELINES:
+    def get(family: str, tp: int = 1) -> tuple[BatchResult, BatchResult]:
+        if (family, tp) not in _BASELINES:
+            options = parity_options(checkpoints[family], OPTIONS)
+            if tp > 1:
+                options = replace(
+                    options, extra_args=(*options.extra_args, "--tensor-parallel-size", str(tp))
+                )
             server = plain_server(
                 checkpoints[family],
                 log_dir=_log_root(tmp_path_factory),
-                options=parity_options(checkpoints[family], OPTIONS),
-                name=f"plain-{family}",
+                options=options,
+                name=f"plain-{family}" + (f"-tp{tp}" if tp > 1 else ""),
                 progress=print,
             )
             server.start()
             try:
                 wait_until_healthy([server])
-                _BASELINES[family] = _prompt_runs(server)
+                _BASELINES[(family, tp)] = _prompt_runs(server)
             finally:
                 server.stop()
-        return _BASELINES[family]
+        return _BASELINES[(family, tp)]
 
     return get
 
@@ -168,7 +194,7 @@ def deployment(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[Deployment]:
     case: Case = request.param
-    baseline(case.family)  # type: ignore[operator]  # plain engine first, never beside the AFD pair
+    baseline(case.family, case.tp)  # type: ignore[operator]  # plain first, never beside the pair
     options = parity_options(checkpoints[case.family], OPTIONS)
     if case.max_num_seqs is not None:
         options = replace(options, max_num_seqs=case.max_num_seqs)
@@ -183,7 +209,7 @@ def deployment(
         num_attention_ranks=case.num_attention_ranks,
         num_ffn_ranks=case.num_ffn_ranks,
         gate_on_attention=case.gate_on_attention,
-        afd_extra={"num_stages": case.num_stages} if case.num_stages > 1 else None,
+        afd_extra=_afd_extra(case),
         prefix=case.id,
         progress=print,
     )
@@ -247,7 +273,7 @@ def test_roles_report_their_own_weights_and_stay_up(
     for ffn in deployment.ffns:
         ffn.check_alive()
     att = parse_param_bytes(deployment.attention.metrics_text()).get("attention")
-    assert att is not None and len(att) == case.num_attention_ranks
+    assert att is not None and len(att) == case.peers
     per_rank = [parse_param_bytes(f.metrics_text()).get("ffn") for f in deployment.ffns]
     assert all(b is not None and len(b) == 1 for b in per_rank), per_rank
     if case.num_ffn_ranks > 1:
@@ -290,7 +316,8 @@ def test_the_ffn_batched_its_attention_ranks_per_metrics(deployment: Deployment)
     case = deployment.case
     attention_text, ffn_texts = _idle_metrics(deployment)
     ranks = parse_attention_stats(attention_text)
-    assert sorted(ranks) == list(range(case.num_attention_ranks)), attention_text
+    # One series per Attention peer: with TP each worker is a peer with its own link.
+    assert sorted(ranks) == list(range(case.peers)), attention_text
     for a in ranks.values():
         assert a.link_up and a.steps > 0 and a.tokens > 0, a
         assert a.sent_bytes > 0 and a.received_bytes > 0, a
@@ -299,7 +326,7 @@ def test_the_ffn_batched_its_attention_ranks_per_metrics(deployment: Deployment)
         stats = parse_ffn_stats(text)
         assert set(stats) == {f}, text
         s = stats[f]
-        assert s.peers == case.num_attention_ranks
+        assert s.peers == case.peers
         assert s.steps > 0 and s.tokens > 0
         # Lockstep: one FFN step per step of each Attention rank (both ranks in every step).
         assert all(a.steps == s.steps for a in ranks.values()), (s, ranks)

@@ -214,6 +214,46 @@ def test_attention_ranks_disagreeing_with_data_parallel_size_exits(
     print(f"dp mismatch: exit {out.exit_code} after {out.elapsed_s:.1f}s")
 
 
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            ("--pipeline-parallel-size", "2"),
+            "afd serve: error: invalid AFD config field '--pipeline-parallel-size': got 2; "
+            "allowed: 1 (scale the Attention role",
+        ),
+        (
+            ("--tensor-parallel-size", "2"),
+            "afd serve: error: invalid AFD config field 'attention_tp_size': got 1; allowed: "
+            "the Attention server's --tensor-parallel-size (2)",
+        ),
+    ],
+    ids=["pipeline_parallel", "tp_without_attention_tp_size"],
+)
+def test_parallelism_the_config_does_not_describe_exits(
+    model: Path, tmp_path_factory: pytest.TempPathFactory, flags: tuple[str, str], message: str
+) -> None:
+    """Pipeline parallelism, or a --tensor-parallel-size the AFD config does not announce
+    (``attention_tp_size``; the FFN ranks would wait for peers that never come): refused with
+    the field, the value and what is allowed, before any engine process starts."""
+    afd_port, port = free_ports(2)
+    role = afd_role_args(
+        "attention", afd_port=afd_port, num_attention_ranks=1, gate_on_attention=False
+    )
+    out = run_until_exit(
+        f"bad-input-{flags[0].strip('-')}",
+        _serve_argv(model, port, [*role, *flags]),
+        port,
+        _log_dir(tmp_path_factory),
+        CONFIG_REFUSAL_S,
+    )
+    assert out.exit_code == 2, out.log[-3000:]
+    assert "Traceback" not in out.log
+    assert message in out.log, out.log[-3000:]
+    assert "EngineCore" not in out.log  # refused before any engine process started
+
+
 @pytest.mark.timeout(900)
 def test_afd_port_in_use_fails_attention_naming_port(
     model: Path, tmp_path_factory: pytest.TempPathFactory

@@ -66,6 +66,7 @@ def test_demo_flags_map_to_config(tmp_path: Path) -> None:
     assert cfg.options.max_num_seqs is None
     assert cli.parse_demo_config(["--max-num-seqs", "4"]).options.max_num_seqs == 4
     assert cli.parse_demo_config(["--stages", "2"]).num_stages == 2
+    assert cli.parse_demo_config(["--tp", "2"]).attention_tp_size == 2
 
 
 def test_qwen3_moe_accepts_the_gate_on_attention_and_several_ffn_ranks() -> None:
@@ -140,6 +141,7 @@ def test_real_model_keeps_checkpoint_dtype(tmp_path: Path) -> None:
         (["--model", "/does/not/exist"], "--model='/does/not/exist'"),
         (["--family", "llama"], "invalid choice: 'llama'"),
         (["--stages", "3"], "argument --stages: invalid choice: 3"),
+        (["--tp", "0"], "error: --tp=0 must be > 0"),
     ],
 )
 def test_demo_usage_errors_exit_2_naming_the_flag(
@@ -205,7 +207,7 @@ def test_ffn_stats_are_parsed_and_rendered() -> None:
     text = render_report(report)
     assert (
         "FFN rank 0 batching: 10 steps, 40 compute calls (4.0 per step over 4 MoE layers, "
-        "2 Attention rank(s) per call), 200 tokens (5.0 per call)"
+        "2 Attention peer(s) per call), 200 tokens (5.0 per call)"
     ) in text.splitlines()
 
 
@@ -245,9 +247,9 @@ def test_render_report_prints_each_ffn_rank() -> None:
     batching = [ln for ln in lines if ln.startswith("FFN rank ")]
     assert batching == [
         "FFN rank 0 batching: 50 steps, 200 compute calls (4.0 per step over 4 MoE layers, "
-        "1 Attention rank(s) per call), 545 tokens (2.7 per call)",
+        "1 Attention peer(s) per call), 545 tokens (2.7 per call)",
         "FFN rank 1 batching: 50 steps, 200 compute calls (4.0 per step over 4 MoE layers, "
-        "1 Attention rank(s) per call), 551 tokens (2.8 per call)",
+        "1 Attention peer(s) per call), 551 tokens (2.8 per call)",
     ]
     assert lines[-1] == "PASS: all prompts identical"
 
@@ -795,3 +797,44 @@ def test_run_demo_without_quantization_sets_nothing_on_the_ffn_ranks(
     assert (calls["ffn_extra"], calls["ffn_env"]) == (None, None)
     assert report.quant is None and report.ok
     assert "quantized" not in render_report(report)
+
+
+def test_run_demo_with_tp_runs_plain_and_attention_at_that_tp(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``--tp 2``: plain vLLM gets ``--tensor-parallel-size 2`` (parity at the same settings) and
+    both AFD roles get ``attention_tp_size: 2`` (afd_role_args adds the Attention server's flag)."""
+    events: list[str] = []
+    calls: dict[str, object] = {}
+    plain_args: list[list[str]] = []
+
+    def fake_plain(model: object, **kw: object) -> FakeServer:
+        plain_args.append(kw["options"].args())  # type: ignore[attr-defined]
+        return FakeServer("plain", "", events)
+
+    def fake_afd_servers(model: object, **kwargs: object) -> tuple[object, tuple[object, ...]]:
+        calls.update(kwargs)
+        ffn = (
+            MetricsText()
+            .param_bytes("ffn", 0, 100)
+            .ffn(0, steps=1, calls=4, tokens=3, nbytes=10, peers=2, layers=4)
+        )
+        attention = MetricsText().param_bytes("attention", 0, 7).param_bytes("attention", 1, 7)
+        return FakeServer("afd-attention", attention.text(), events), (
+            FakeServer("afd-ffn", ffn.text(), events),
+        )
+
+    def fake_complete_many(base_url: str, prompts: object, **kwargs: object) -> BatchResult:
+        got = tuple(Completion(p, "", (1, 2), 0.1) for p in prompts)  # type: ignore[attr-defined]
+        return BatchResult(got, 1.0)
+
+    monkeypatch.setattr(run, "plain_server", fake_plain)
+    monkeypatch.setattr(run, "afd_servers", fake_afd_servers)
+    monkeypatch.setattr(run, "wait_until_healthy", lambda servers: None)
+    monkeypatch.setattr(run, "complete_many", fake_complete_many)
+    cfg = DemoConfig(model=tmp_path, attention_tp_size=2, prompts=("a",), log_dir=tmp_path)
+    report = run.run_demo(cfg, progress=lambda msg: None)
+    assert plain_args[0][-2:] == ["--tensor-parallel-size", "2"]
+    assert calls["afd_extra"] == {"attention_tp_size": 2}
+    assert report.topology == "1 attention : 1 ffn, gate on ffn, attention TP 2"
+    assert report.ok

@@ -219,6 +219,17 @@ def test_attention_role_args_add_data_parallel_only_for_several_ranks() -> None:
     assert json.loads(one[1])["afd"]["compute_gate_on_attention"] is False
 
 
+def test_attention_tp_size_reaches_both_roles_and_the_attention_servers_tp_flag() -> None:
+    kwargs = {"afd_port": 1234, "num_attention_ranks": 1, "gate_on_attention": False}
+    extra = {"attention_tp_size": 2}
+    att = afd_role_args("attention", extra=extra, **kwargs)  # type: ignore[arg-type]
+    ffn = afd_role_args("ffn", extra=extra, **kwargs)  # type: ignore[arg-type]
+    assert att[2:] == ["--tensor-parallel-size", "2"]
+    assert ffn[2:] == []  # an FFN server is one FFN rank: no TP flag
+    assert json.loads(att[1])["afd"]["attention_tp_size"] == 2
+    assert json.loads(ffn[1])["afd"]["attention_tp_size"] == 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "field"),
     [

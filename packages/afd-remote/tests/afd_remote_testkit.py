@@ -52,8 +52,9 @@ class RecordingConnector(AFDConnectorBase):
         payload_spec: AFDPayloadSpec,
         log: list[Event] | None = None,
         ffn: Callable[[AFDPayload, AFDTransferMetadata], torch.Tensor] = default_ffn,
+        num_ffn_ranks: int = 1,
     ) -> None:
-        super().__init__(_config(), None, 0, payload_spec=payload_spec, num_layers=64)
+        super().__init__(_config(num_ffn_ranks), None, 0, payload_spec=payload_spec, num_layers=64)
         self.log: list[Event] = [] if log is None else log
         self.ffn = ffn
         self._initialized = True
@@ -108,12 +109,18 @@ class RecordingConnector(AFDConnectorBase):
         raise AFDConnectorError("RecordingConnector is Attention-side only")
 
 
-def _config() -> AFDConfig:
-    """An Attention config naming this connector; the registration lasts only for validation,
-    so the process-wide registry is left as it was."""
+def _config(num_ffn_ranks: int = 1) -> AFDConfig:
+    """An Attention config naming this connector (``num_ffn_ranks`` > 1: expert parallel, the
+    gate on Attention); the registration lasts only for validation, so the process-wide
+    registry is left as it was."""
     register_connector(CONNECTOR_NAME, RecordingConnector, replace=True)
     try:
-        return AFDConfig(role=AFDRole.ATTENTION, connector=CONNECTOR_NAME)
+        return AFDConfig(
+            role=AFDRole.ATTENTION,
+            connector=CONNECTOR_NAME,
+            num_ffn_ranks=num_ffn_ranks,
+            compute_gate_on_attention=num_ffn_ranks > 1,
+        )
     finally:
         unregister_connector(CONNECTOR_NAME)
 

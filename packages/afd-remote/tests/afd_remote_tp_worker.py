@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
-from afd_remote import AFDAttentionFusedMoE, RemoteFFNProxy, RoutedTPPadding
+from afd_remote import AFDAttentionFusedMoE, RemoteFFNProxy, RoutedTPPadding, softmax_topk
 from afd_remote_testkit import Event, RecordingConnector, spec
 
 NUM_EXPERTS = 5
@@ -76,6 +76,18 @@ def run(rank: int, world_size: int, port: int, out_dir: str) -> None:
                 out = moe(parent_hidden(n), parent_logits(n), torch.arange(n) + 1000)
             res["moe_sent"] = _sent(log)
             res["moe_out"] = out
+            # Expert parallel (two FFN ranks, experts 0-1 | 2-4): this rank's slice is split by
+            # the tokens' top-k; the combined slice outputs are all-gathered.
+            log = []
+            conn = RecordingConnector(spec(WIDTH, top_k=TOP_K), log, num_ffn_ranks=2)
+            moe = AFDAttentionFusedMoE(3, gate_on_attention=True, tp_padding=tp)
+            weights, ids = softmax_topk(parent_logits(n), TOP_K, True)
+            with set_afd_forward_metadata(AFDForwardMetadata(connector=conn)):
+                transfer = moe.dispatch_routed(parent_hidden(n), weights, ids, NUM_EXPERTS)
+                out = moe.receive(transfer)
+            res["ep_sent"] = _sent(log)
+            res["ep_counts"] = transfer.metadata.num_tokens
+            res["ep_out"] = out
             # Sequence parallel: each rank holds its own shard and dispatches it unchanged.
             log = []
             conn = RecordingConnector(spec(WIDTH), log)

@@ -93,6 +93,31 @@ def test_routing_fields_stay_aligned_under_tp(world: tuple[int, Results], case: 
 
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("case", CASES)
+def test_expert_parallel_dispatch_under_tp(world: tuple[int, Results], case: str) -> None:
+    """Each real token leaves exactly once per FFN rank holding one of its top-k experts (from
+    the one TP rank whose slice holds it), and every TP rank gets the whole combined output."""
+    tp_size, results = world
+    n = worker.token_counts(tp_size)[case]
+    per_rank = -(-n // tp_size)
+    _, ids = softmax_topk(worker.parent_logits(n), worker.TOP_K, True)
+    owner = torch.where(ids < 2, 0, 1)  # experts 0-1 on FFN rank 0, 2-4 on rank 1
+    for f in range(2):
+        rows = torch.cat([_sent(r[n], "ep_sent")[f"hidden_states[{f}]"] for r in results])
+        real = rows[rows[:, 0] != 0][:, 0].tolist()
+        wanted = [float(i + 1) for i in range(n) if bool((owner[i] == f).any())]
+        assert sorted(real) == wanted
+        for r in results:
+            assert r[n]["ep_counts"][f] <= per_rank  # type: ignore[index]
+    # default_ffn of layer 3 is h * 3 + 10 per rank holding an expert of the token, summed.
+    hidden = worker.parent_hidden(n)
+    ranks_hit = torch.stack([(owner == f).any(dim=1) for f in range(2)], dim=1).float()
+    expected = (hidden * 3 + 10) * ranks_hit.sum(dim=1, keepdim=True)
+    for r in results:
+        assert torch.equal(_tensor(r[n], "ep_out"), expected)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("case", CASES)
 def test_sequence_parallel_passes_through(world: tuple[int, Results], case: str) -> None:
     tp_size, results = world
     n = worker.token_counts(tp_size)[case]

@@ -19,11 +19,13 @@ from afd_runtime.compute import (
 from afd_runtime.roles import model_param_bytes, require_afd_config, role_rank
 
 
-def _vllm_config(afd: dict[str, Any] | None, dp_rank: int = 0, tp: int = 1) -> SimpleNamespace:
+def _vllm_config(
+    afd: dict[str, Any] | None, dp_rank: int = 0, tp: int = 1, pp: int = 1
+) -> SimpleNamespace:
     return SimpleNamespace(
         additional_config={} if afd is None else {"afd": afd},
         parallel_config=SimpleNamespace(
-            data_parallel_index=dp_rank, tensor_parallel_size=tp, pipeline_parallel_size=1
+            data_parallel_index=dp_rank, tensor_parallel_size=tp, pipeline_parallel_size=pp
         ),
     )
 
@@ -46,9 +48,37 @@ def test_role_rank_is_the_data_parallel_rank() -> None:
         role_rank(_vllm_config(afd, dp_rank=2), cfg)
     assert (err.value.field, err.value.value) == ("parallel_config.data_parallel_rank", 2)
     assert err.value.allowed.startswith("ranks 0..1")
-    with pytest.raises(AFDConfigError) as err:
+    # A TP size the config does not describe: refused, naming the AFD field and vLLM's value.
+    with pytest.raises(AFDConfigError, match="--tensor-parallel-size 1") as err:
         role_rank(_vllm_config(afd, tp=2), cfg)
-    assert (err.value.field, err.value.value) == ("parallel_config.tensor_parallel_size", 2)
+    assert (err.value.field, err.value.value) == ("attention_tp_size", 1)
+    assert "--tensor-parallel-size (2)" in err.value.allowed
+    with pytest.raises(AFDConfigError) as err:
+        role_rank(_vllm_config(afd, pp=2), cfg)
+    assert (err.value.field, err.value.value) == ("--pipeline-parallel-size", 2)
+
+
+def test_role_rank_of_a_tensor_parallel_attention_worker_is_its_peer_index() -> None:
+    afd = {"role": "attention", "port": 9, "num_attention_ranks": 2, "attention_tp_size": 2}
+    cfg = AFDConfig.from_mapping(afd)
+    peers = [
+        role_rank(_vllm_config(afd, dp_rank=dp, tp=2), cfg, tp_rank=tp)
+        for dp in range(2)
+        for tp in range(2)
+    ]
+    assert peers == [0, 1, 2, 3]
+    with pytest.raises(AFDConfigError) as err:
+        role_rank(_vllm_config(afd, dp_rank=0, tp=2), cfg, tp_rank=2)
+    assert (err.value.field, err.value.value) == ("tp_rank", 2)
+    # The FFN role runs one worker per FFN rank: TP there is refused whatever the config says.
+    ffn = {"role": "ffn", "port": 9, "attention_tp_size": 2}
+    with pytest.raises(AFDConfigError, match="num_ffn_ranks") as err:
+        role_rank(_vllm_config(ffn, tp=2), AFDConfig.from_mapping(ffn))
+    assert (err.value.field, err.value.value, err.value.allowed) == (
+        "--tensor-parallel-size",
+        2,
+        "1 on the FFN role",
+    )
 
 
 def test_model_param_bytes_prefers_the_adapters_measurement() -> None:

@@ -76,6 +76,7 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "port",
     "num_attention_ranks",
     "num_ffn_ranks",
+    "attention_tp_size",
     "ffn_rank",
     "compute_gate_on_attention",
     "num_stages",
@@ -235,6 +236,9 @@ class AFDConfig:
     port: int = 1239
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
+    #: The Attention role's ``--tensor-parallel-size`` (T): each of its A data-parallel ranks
+    #: runs T TP workers, and every TP worker is a peer of the FFN ranks (A x T peers).
+    attention_tp_size: int = 1
     ffn_rank: int = 0
     compute_gate_on_attention: bool = False
     num_stages: int = 1
@@ -277,6 +281,15 @@ class AFDConfig:
         self._check_int("port", self.port, 1, 65535)
         self._check_int("num_attention_ranks", self.num_attention_ranks, 1, _MAX_RANKS)
         self._check_int("num_ffn_ranks", self.num_ffn_ranks, 1, _MAX_RANKS)
+        self._check_int("attention_tp_size", self.attention_tp_size, 1, _MAX_RANKS)
+        if self.num_attention_ranks * self.attention_tp_size > _MAX_RANKS:
+            raise AFDConfigError(
+                "attention_tp_size",
+                self.attention_tp_size,
+                f"at most {_MAX_RANKS // self.num_attention_ranks} with "
+                f"num_attention_ranks={self.num_attention_ranks} (at most {_MAX_RANKS} Attention "
+                "peers: data-parallel ranks x TP size)",
+            )
         if not isinstance(self.compute_gate_on_attention, bool):
             raise AFDConfigError(
                 "compute_gate_on_attention", self.compute_gate_on_attention, "a bool"
@@ -431,6 +444,7 @@ class AFDConfig:
             "port",
             "num_attention_ranks",
             "num_ffn_ranks",
+            "attention_tp_size",
             "ffn_rank",
             "num_stages",
             "expert_quant_group_size",
@@ -462,6 +476,7 @@ class AFDConfig:
             "port": self.port,
             "num_attention_ranks": self.num_attention_ranks,
             "num_ffn_ranks": self.num_ffn_ranks,
+            "attention_tp_size": self.attention_tp_size,
             "ffn_rank": self.ffn_rank,
             "compute_gate_on_attention": self.compute_gate_on_attention,
             "num_stages": self.num_stages,

@@ -1,23 +1,35 @@
 """World layout, who exchanges data with whom, and where the routed experts live.
 
-World layout (the connector's own world of ``A + F`` ranks): **Attention ranks first**, then FFN
-ranks::
+World layout (the connector's own world of ``P + F`` ranks, ``P = A x T`` Attention peers):
+**Attention peers first**, then FFN ranks::
 
-    world rank:  0 .. A-1            A .. A+F-1
-    role:        attention 0..A-1    ffn 0..F-1
+    world rank:  0 .. P-1              P .. P+F-1
+    role:        attention 0..P-1      ffn 0..F-1
 
-Exchange: every Attention rank exchanges data with every FFN rank (all to all). With ``F == 1``
-the FFN rank serves all ``A`` Attention ranks and computes each MoE layer once over their
+The Attention role runs ``A`` data-parallel ranks of ``T`` tensor-parallel workers each
+(``attention_tp_size``). **Every TP worker is a peer of the FFN ranks**, with Attention role rank
+``dp_rank * T + tp_rank`` (:meth:`AFDTopology.attention_peer`). Why each TP worker and not one
+sender per TP group: under plain TP every worker holds the same tokens, so routed TP padding lets
+worker ``r`` send only its ``1/T`` slice of them (``ceil(N / T)`` rows,
+:func:`afd_core.collectives.rows_per_tp_rank`) and the slices' outputs are all-gathered in TP rank
+order. Each real token reaches the FFN exactly once, the bytes per link fall by ``T``, every
+worker's own link works in parallel (on accelerators each has its own NIC), and no worker waits
+on a broadcast from a sender. The FFN ranks batch all ``P`` peers' rows per ``(layer, stage)``.
+With ``T == 1`` a peer is a data-parallel rank, as before.
+
+Exchange: every Attention peer exchanges data with every FFN rank (all to all). With ``F == 1``
+the FFN rank serves all ``P`` Attention peers and computes each MoE layer once over their
 tokens. With ``F > 1`` the FFN ranks are **expert parallel**: rank ``f`` holds only its share of
-the routed experts (:meth:`AFDTopology.expert_map`), and each Attention rank dispatches a token
+the routed experts (:meth:`AFDTopology.expert_map`), and each Attention peer dispatches a token
 to the FFN ranks that hold its top-k experts. ``A < F`` is allowed (experts can outgrow
 attention).
 
 Invariants (checked in the tests):
 
 * :meth:`AFDTopology.world_rank` and :meth:`AFDTopology.role_of` are inverse;
-* :meth:`AFDTopology.peers_of` of an Attention rank is every FFN world rank, of an FFN rank every
+* :meth:`AFDTopology.peers_of` of an Attention peer is every FFN world rank, of an FFN rank every
   Attention world rank, both ascending;
+* :meth:`AFDTopology.attention_peer` maps ``(dp_rank, tp_rank)`` one to one onto ``0..P-1``;
 * :meth:`AFDTopology.expert_map` gives every routed expert exactly one FFN rank.
 """
 
@@ -47,28 +59,49 @@ def _check_count(name: str, value: object) -> int:
 
 @dataclass(frozen=True)
 class AFDTopology:
-    """``num_attention_ranks`` (A) Attention ranks served by ``num_ffn_ranks`` (F) FFN ranks."""
+    """``num_attention_ranks`` (A) data-parallel Attention ranks of ``attention_tp_size`` (T)
+    TP workers each (``A x T`` peers) served by ``num_ffn_ranks`` (F) FFN ranks."""
 
     num_attention_ranks: int
     num_ffn_ranks: int
+    attention_tp_size: int = 1
 
     def __post_init__(self) -> None:
         _check_count("num_attention_ranks", self.num_attention_ranks)
         _check_count("num_ffn_ranks", self.num_ffn_ranks)
+        _check_count("attention_tp_size", self.attention_tp_size)
 
     @classmethod
     def from_config(cls, config: AFDConfig) -> AFDTopology:
         """The topology described by ``config``."""
-        return cls(config.num_attention_ranks, config.num_ffn_ranks)
+        return cls(config.num_attention_ranks, config.num_ffn_ranks, config.attention_tp_size)
+
+    @property
+    def num_attention_peers(self) -> int:
+        """``P = A x T``: the Attention role ranks of the connector (one per TP worker)."""
+        return self.num_attention_ranks * self.attention_tp_size
 
     @property
     def world_size(self) -> int:
-        """``A + F``."""
-        return self.num_attention_ranks + self.num_ffn_ranks
+        """``P + F``."""
+        return self.num_attention_peers + self.num_ffn_ranks
 
     def role_size(self, role: AFDRole | str) -> int:
-        """Number of ranks of ``role``."""
-        return self.num_attention_ranks if _role(role) is AFDRole.ATTENTION else self.num_ffn_ranks
+        """Number of connector ranks of ``role`` (Attention: the ``P`` peers)."""
+        if _role(role) is AFDRole.ATTENTION:
+            return self.num_attention_peers
+        return self.num_ffn_ranks
+
+    def attention_peer(self, dp_rank: int, tp_rank: int = 0) -> int:
+        """The Attention role rank of TP worker ``tp_rank`` of data-parallel rank ``dp_rank``:
+        ``dp_rank * T + tp_rank``."""
+        for name, value, size in (
+            ("data_parallel_rank", dp_rank, self.num_attention_ranks),
+            ("tp_rank", tp_rank, self.attention_tp_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < size:
+                raise AFDConfigError(name, value, f"an integer in 0..{size - 1}")
+        return dp_rank * self.attention_tp_size + tp_rank
 
     def check_role_rank(self, role: AFDRole | str, role_rank: int) -> None:
         """Raise :class:`AFDConfigError` (field ``role_rank``) unless ``0 <= role_rank < size``."""
@@ -85,7 +118,7 @@ class AFDTopology:
         self.check_role_rank(role, role_rank)
         if _role(role) is AFDRole.ATTENTION:
             return role_rank
-        return self.num_attention_ranks + role_rank
+        return self.num_attention_peers + role_rank
 
     def role_of(self, world_rank: int) -> tuple[AFDRole, int]:
         """Inverse of :meth:`world_rank`: ``(role, role_rank)``."""
@@ -97,9 +130,9 @@ class AFDTopology:
             raise AFDConfigError(
                 "world_rank", world_rank, f"an integer in 0..{self.world_size - 1}"
             )
-        if world_rank < self.num_attention_ranks:
+        if world_rank < self.num_attention_peers:
             return AFDRole.ATTENTION, world_rank
-        return AFDRole.FFN, world_rank - self.num_attention_ranks
+        return AFDRole.FFN, world_rank - self.num_attention_peers
 
     @property
     def expert_parallel(self) -> bool:
@@ -107,9 +140,9 @@ class AFDTopology:
         return self.num_ffn_ranks > 1
 
     def attention_ranks_for(self, ffn_rank: int) -> tuple[int, ...]:
-        """Attention role ranks served by ``ffn_rank``: all of them, ascending."""
+        """Attention role ranks (peers) served by ``ffn_rank``: all of them, ascending."""
         self.check_role_rank(AFDRole.FFN, ffn_rank)
-        return tuple(range(self.num_attention_ranks))
+        return tuple(range(self.num_attention_peers))
 
     def ffn_ranks_for(self, attention_rank: int) -> tuple[int, ...]:
         """FFN role ranks ``attention_rank`` sends to: all of them, ascending."""

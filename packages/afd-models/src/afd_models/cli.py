@@ -99,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--gate attention)",
     )
     demo.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="the Attention role's --tensor-parallel-size (plain vLLM runs with the same); "
+        "each TP worker sends its slice of the tokens to the FFN ranks",
+    )
+    demo.add_argument(
         "--gate",
         choices=("attention", "ffn"),
         default="ffn",
@@ -299,6 +306,7 @@ def demo_config_from_namespace(
     for flag, value in (
         ("--attention-ranks", ns.attention_ranks),
         ("--ffn-ranks", ns.ffn_ranks),
+        ("--tp", ns.tp),
         ("--max-tokens", ns.max_tokens),
         ("--concurrency", ns.concurrency),
         ("--max-model-len", ns.max_model_len),
@@ -331,6 +339,7 @@ def demo_config_from_namespace(
         seed=ns.seed,
         num_attention_ranks=ns.attention_ranks,
         num_ffn_ranks=ns.ffn_ranks,
+        attention_tp_size=ns.tp,
         gate_on_attention=ns.gate == "attention",
         num_stages=ns.stages,
         prompts=tuple(ns.prompt) if ns.prompt else DEMO_PROMPTS,

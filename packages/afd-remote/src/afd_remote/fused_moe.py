@@ -152,18 +152,17 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         (:func:`afd_remote.expert_dispatch.combine_expert_outputs`).
 
         The placement is ``connector.topology.expert_map(num_experts)``, the one the FFN ranks
-        load their experts by.
+        load their experts by. With routed TP padding this TP rank dispatches only its slice of
+        the replicated tokens (padding rows carry expert 0 with weight 0); :meth:`receive`
+        combines the slice's partial outputs, then all-gathers the slices in TP rank order.
 
         Raises:
             AFDContextError: no AFD forward metadata is installed.
-            AFDRemoteError: TP padding is set (not combined with expert parallelism), or the
-                connector has one FFN rank.
+            AFDRemoteError: the connector has one FFN rank.
             AFDPayloadError / UnsupportedPayloadFieldError: shapes or fields do not fit the
                 connector's spec (hidden states + top-k ids and weights).
         """
         connector, stage_idx = self._context()
-        if self.tp_padding is not None:
-            raise AFDRemoteError("tp_padding", self.tp_padding, "None with expert parallelism")
         if not connector.topology.expert_parallel:
             raise AFDRemoteError(
                 "num_ffn_ranks", 1, "> 1 for dispatch_routed (one FFN rank: dispatch_experts)"
@@ -176,11 +175,13 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         check_rows(tensors)
         check_fields(connector, set(tensors))
         spec = connector.payload_spec
-        weights = topk_weights.to(spec.topk_weights_dtype)
-        ids = topk_ids.to(spec.topk_ids_dtype)
+        layout = self._plan(hidden_states)
+        hidden = localise(hidden_states, layout, "hidden_states")
+        weights = localise(topk_weights.to(spec.topk_weights_dtype), layout, "topk_weights")
+        ids = localise(topk_ids.to(spec.topk_ids_dtype), layout, "topk_ids")
         plan = plan_expert_dispatch(ids, self._expert_map(connector, num_experts))
         parts = {
-            "hidden_states": split_for_dispatch(hidden_states, plan),
+            "hidden_states": split_for_dispatch(hidden, plan),
             "topk_weights": split_for_dispatch(weights, plan, field="topk_weights"),
             "topk_ids": split_for_dispatch(ids, plan, field="topk_ids"),
         }
@@ -201,6 +202,8 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
             handle=handle,
             metadata=metadata,
             parent_tokens=int(hidden_states.shape[0]),
+            layout=layout,
+            tp_padding=self.tp_padding if layout is not None else None,
             plan=plan,
             companions=self._send_empty(connector, stage_idx, payloads[0], plan.num_ffn_ranks),
         )

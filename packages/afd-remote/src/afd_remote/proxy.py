@@ -163,16 +163,17 @@ class RemoteFFNProxy(torch.nn.Module):
         for handle in transfer.companions:
             connector.recv_combine(handle)
         if transfer.plan is not None:
-            return combine_expert_outputs(parts, transfer.plan)
-        output = parts[0]
-        expected = transfer.metadata.num_tokens[0]
-        if output.dim() == 0 or output.shape[0] != expected:
-            raise AFDPayloadError(
-                "ffn_output",
-                tuple(output.shape),
-                f"{expected} rows (the rows dispatched for layer {transfer.layer_idx} "
-                f"stage {transfer.stage_idx})",
-            )
+            output = combine_expert_outputs(parts, transfer.plan)
+        else:
+            output = parts[0]
+            expected = transfer.metadata.num_tokens[0]
+            if output.dim() == 0 or output.shape[0] != expected:
+                raise AFDPayloadError(
+                    "ffn_output",
+                    tuple(output.shape),
+                    f"{expected} rows (the rows dispatched for layer {transfer.layer_idx} "
+                    f"stage {transfer.stage_idx})",
+                )
         if transfer.layout is None or transfer.tp_padding is None:
             return output
         return transfer.tp_padding.restore(output, transfer.layout)

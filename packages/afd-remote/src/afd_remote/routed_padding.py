@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from afd_core.collectives import RowGather, torch_row_gather
+from afd_core.collectives import RowGather, rows_per_tp_rank, torch_row_gather
 
 from afd_remote.errors import AFDRemoteError
 
@@ -68,7 +68,7 @@ class RoutedDispatchLayout:
         """Rows each rank dispatches: ``ceil(parent_tokens / tp_size)`` when split."""
         if not self.requires_tp_all_gather:
             return self.parent_tokens
-        return -(-self.parent_tokens // self.tp_size)
+        return rows_per_tp_rank(self.parent_tokens, self.tp_size)
 
     @property
     def padded_tokens(self) -> int:

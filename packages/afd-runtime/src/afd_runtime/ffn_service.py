@@ -277,7 +277,7 @@ class FFNService:
             self.deployments += 1
             self.metrics.connected()
             logger.info(
-                "AFD FFN rank %d serving %d Attention rank(s) through connector %r",
+                "AFD FFN rank %d serving %d Attention peer(s) through connector %r",
                 self.ffn_rank,
                 self.num_peers,
                 connector.name,
@@ -303,7 +303,7 @@ class FFNService:
         """True when ``exc`` is a disagreement with an Attention rank: that deployment is
         refused (it fails its own start naming the same field) and this FFN rank keeps waiting
         for a matching one. A disagreement between FFN ranks stays fatal."""
-        attention_ranks = self.topology.num_attention_ranks
+        attention_ranks = self.topology.num_attention_peers
         if not 0 <= exc.peer_rank < attention_ranks:
             return False
         text = str(exc)

@@ -70,6 +70,7 @@ from afd_core.session.access import deployment_secret
 
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
 from afd_runtime.metrics import enable_multiprocess_metrics
+from afd_runtime.roles import check_role_tensor_parallelism
 from afd_runtime.signals import termination_reaches_main_thread
 from afd_runtime.vllm_compat import check_vllm_version
 from afd_runtime.workers import afd_worker_qualname
@@ -99,7 +100,8 @@ def in_process_executor(parallel_config: Any, requested_backend: Any, on_cpu: bo
     FFN). In-process, the thread that waits for the peer sleeps in the transport. vLLM runs a
     one-worker engine in-process on its other platforms already, so only CPU changes; a backend
     the user chose (``--distributed-executor-backend``) is kept, and so is any engine with more
-    than one worker (AFD refuses TP/PP > 1 anyway). Returns True when it selected ``uni``.
+    than one worker (an Attention role with ``--tensor-parallel-size`` > 1 keeps vLLM's
+    multiprocess executor, one worker per TP rank). Returns True when it selected ``uni``.
 
     vLLM's CPU thread binding (``VLLM_CPU_OMP_THREADS_BIND``) is applied when the multiprocess
     executor spawns its worker; in-process it does not apply: size and place the OpenMP threads
@@ -153,6 +155,7 @@ def check_role_parallelism(cfg: AFDConfig, parallel_config: Any) -> None:
             "1 on the FFN role",
             detail="an FFN server serves one FFN rank; do not pass --data-parallel-size to it",
         )
+    check_role_tensor_parallelism(cfg, parallel_config)
 
 
 def host_memory_bytes() -> int:

@@ -8,8 +8,12 @@ the ``afd_param_bytes`` gauge of :mod:`afd_runtime.metrics`, and a log line for 
 Invariants:
 * :func:`require_afd_config` returns the parsed ``additional_config["afd"]`` whose role equals the
   worker's role, or raises :class:`~afd_core.errors.AFDConfigError` naming the field and values.
-* The role rank of a worker is its vLLM data-parallel rank; tensor and pipeline parallelism inside
-  one role are not supported yet and are rejected with an error naming the setting.
+* The role rank of an Attention worker is its peer index ``dp_rank * T + tp_rank``
+  (:meth:`afd_core.topology.AFDTopology.attention_peer`): every TP worker is a peer of the FFN
+  ranks; ``T`` (vLLM's ``tensor_parallel_size``) must equal ``afd.attention_tp_size``. An FFN
+  worker's is its ``ffn_rank``; the FFN role runs neither tensor nor pipeline parallelism (it
+  scales by ``num_ffn_ranks``), and neither role runs pipeline parallelism. Violations raise an
+  error naming the setting.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from typing import Any
 import torch
 from afd_core.config import AFDConfig, AFDRole, parse_afd_config
 from afd_core.errors import AFDConfigError
+from afd_core.topology import AFDTopology
 from afd_weights import param_bytes
 
 from afd_runtime.metrics import RoleMetrics
@@ -47,19 +52,44 @@ def require_afd_config(vllm_config: Any, role: AFDRole) -> AFDConfig:
     return cfg
 
 
-def role_rank(vllm_config: Any, cfg: AFDConfig) -> int:
-    """The role rank of this worker: an Attention worker's data-parallel rank (checked against
-    the topology), an FFN worker's ``ffn_rank``."""
+def check_role_tensor_parallelism(cfg: AFDConfig, parallel_config: Any) -> None:
+    """Refuse a vLLM tensor/pipeline parallel size the AFD config does not describe: the
+    Attention role's ``tensor_parallel_size`` must equal ``afd.attention_tp_size``; the FFN role
+    runs one worker per FFN rank (TP 1); no role runs pipeline parallelism."""
+    pp = int(getattr(parallel_config, "pipeline_parallel_size", 1) or 1)
+    if pp != 1:
+        raise AFDConfigError(
+            "--pipeline-parallel-size",
+            pp,
+            "1 (scale the Attention role with --data-parallel-size and "
+            "--tensor-parallel-size, the FFN role with num_ffn_ranks)",
+            detail="pipeline parallelism is not supported by AFD",
+        )
+    tp = int(getattr(parallel_config, "tensor_parallel_size", 1) or 1)
+    if cfg.role is AFDRole.FFN and tp != 1:
+        raise AFDConfigError(
+            "--tensor-parallel-size",
+            tp,
+            "1 on the FFN role",
+            detail="an FFN server is one FFN rank; split the experts with num_ffn_ranks (expert "
+            "parallel) instead",
+        )
+    if cfg.role is AFDRole.ATTENTION and tp != cfg.attention_tp_size:
+        raise AFDConfigError(
+            "attention_tp_size",
+            cfg.attention_tp_size,
+            f"the Attention server's --tensor-parallel-size ({tp})",
+            detail="every Attention TP worker is a peer of the FFN ranks, so both roles must know "
+            f"T: set attention_tp_size={tp} on both roles or start the Attention role with "
+            f"--tensor-parallel-size {cfg.attention_tp_size}",
+        )
+
+
+def role_rank(vllm_config: Any, cfg: AFDConfig, tp_rank: int = 0) -> int:
+    """The role rank of this worker: an Attention worker's peer index ``dp_rank * T + tp_rank``
+    (checked against the topology), an FFN worker's ``ffn_rank``."""
     pc = vllm_config.parallel_config
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        size = int(getattr(pc, name, 1))
-        if size != 1:
-            raise AFDConfigError(
-                f"parallel_config.{name}",
-                size,
-                "1 (scale the attention role with --data-parallel-size)",
-                detail="not supported by AFD yet",
-            )
+    check_role_tensor_parallelism(cfg, pc)
     if cfg.role is AFDRole.FFN:
         # One process per FFN rank (vLLM data parallelism is refused on the FFN role): the
         # rank is the config's ffn_rank, checked against num_ffn_ranks when it was parsed.
@@ -70,14 +100,13 @@ def role_rank(vllm_config: Any, cfg: AFDConfig) -> int:
     rank = int(rank or 0)
     expected = cfg.num_attention_ranks
     if not 0 <= rank < expected:
-        field = "num_attention_ranks" if cfg.role is AFDRole.ATTENTION else "num_ffn_ranks"
         raise AFDConfigError(
             "parallel_config.data_parallel_rank",
             rank,
             f"ranks 0..{expected - 1} (--data-parallel-size {expected})",
-            detail=f"this {cfg.role.value} worker's afd.{field}={expected}",
+            detail=f"this attention worker's afd.num_attention_ranks={expected}",
         )
-    return rank
+    return AFDTopology.from_config(cfg).attention_peer(rank, tp_rank)
 
 
 def model_param_bytes(model: torch.nn.Module) -> int:

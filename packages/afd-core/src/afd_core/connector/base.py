@@ -160,15 +160,13 @@ class AFDConnectorBase(ABC):
             topology = AFDTopology.from_config(config)
         if not isinstance(topology, AFDTopology):
             raise AFDConfigError("topology", type(topology).__name__, "an AFDTopology")
-        if (topology.num_attention_ranks, topology.num_ffn_ranks) != (
-            config.num_attention_ranks,
-            config.num_ffn_ranks,
-        ):
+        if topology != AFDTopology.from_config(config):
             raise AFDConfigError(
                 "topology",
                 topology,
                 f"num_attention_ranks={config.num_attention_ranks}, "
-                f"num_ffn_ranks={config.num_ffn_ranks} as in the config",
+                f"num_ffn_ranks={config.num_ffn_ranks}, "
+                f"attention_tp_size={config.attention_tp_size} as in the config",
             )
         topology.check_role_rank(config.role, role_rank)
         if not isinstance(payload_spec, AFDPayloadSpec):

@@ -49,7 +49,11 @@ def _handshake_fields(
         "hidden_size": payload_spec.hidden_size,
         "dtype": dtype_name(payload_spec.dtype),
         "num_layers": num_layers,
-        "topology": [topology.num_attention_ranks, topology.num_ffn_ranks],
+        "topology": [
+            topology.num_attention_ranks,
+            topology.num_ffn_ranks,
+            topology.attention_tp_size,
+        ],
         "payload_spec": payload_spec.to_wire(),
         "device_type": device.type,
         "model_identity": dict(model_identity or {}),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -72,6 +72,8 @@ class DemoConfig:
     seed: int = 0
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
+    #: The Attention role's --tensor-parallel-size (plain vLLM runs with the same, for parity).
+    attention_tp_size: int = 1
     gate_on_attention: bool = False
     num_stages: int = 1
     prompts: tuple[str, ...] = DEMO_PROMPTS
@@ -105,6 +107,10 @@ class DemoConfig:
             )
         if self.num_ffn_ranks < 1:
             raise ValueError(f"DemoConfig.num_ffn_ranks={self.num_ffn_ranks!r} must be >= 1")
+        if self.attention_tp_size < 1:
+            raise ValueError(
+                f"DemoConfig.attention_tp_size={self.attention_tp_size!r} must be >= 1"
+            )
         if self.num_ffn_ranks > 1 and not self.gate_on_attention:
             raise ValueError(
                 f"DemoConfig.num_ffn_ranks={self.num_ffn_ranks!r} > 1 needs "
@@ -430,13 +436,13 @@ def render_report(report: DemoReport) -> str:
             out.append(
                 f"FFN rank {f.rank} batching: {f.steps} steps, {f.compute_calls} compute calls "
                 f"({f.calls_per_step:.1f} per step over {f.layers} MoE layers, {f.peers} "
-                f"Attention rank(s) per call), {f.tokens} tokens ({f.tokens_per_call:.1f} per "
+                f"Attention peer(s) per call), {f.tokens} tokens ({f.tokens_per_call:.1f} per "
                 "call)"
             )
         out.append("")
     for a in report.attention_ranks:
         out.append(
-            f"Attention rank {a.rank}: {a.steps} steps, {a.waits} FFN replies, mean wait "
+            f"Attention peer {a.rank}: {a.steps} steps, {a.waits} FFN replies, mean wait "
             f"{1000 * a.mean_wait_s:.2f} ms per reply, {_fmt_bytes(a.sent_bytes)} sent, "
             f"{_fmt_bytes(a.received_bytes)} received"
         )
@@ -476,13 +482,33 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
     log_dir = Path(cfg.log_dir)
     progress(f"logs: {log_dir.resolve()}")
     options = parity_options(model, cfg.options)
+    afd_extra: dict[str, Any] = {}
+    if cfg.attention_tp_size > 1:
+        afd_extra["attention_tp_size"] = cfg.attention_tp_size
+        progress(
+            f"tensor-parallel Attention: plain vLLM and the Attention role run "
+            f"--tensor-parallel-size {cfg.attention_tp_size} (each TP worker sends its slice of "
+            "the tokens to the FFN ranks)"
+        )
+    if cfg.num_stages > 1:
+        afd_extra["num_stages"] = cfg.num_stages
     if options.max_num_seqs != cfg.options.max_num_seqs:
         progress(
             "note: vLLM's CPU MLA path is not batch invariant; serving one sequence at a time "
             "(--max-num-seqs 1) on every server so outputs are comparable"
         )
 
-    plain = plain_server(model, log_dir=log_dir, options=options, progress=progress)
+    plain_options = options
+    if cfg.attention_tp_size > 1:
+        plain_options = replace(
+            options,
+            extra_args=(
+                *options.extra_args,
+                "--tensor-parallel-size",
+                str(cfg.attention_tp_size),
+            ),
+        )
+    plain = plain_server(model, log_dir=log_dir, options=plain_options, progress=progress)
     plain.start()
     try:
         wait_until_healthy([plain])
@@ -517,7 +543,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         num_attention_ranks=cfg.num_attention_ranks,
         num_ffn_ranks=cfg.num_ffn_ranks,
         gate_on_attention=cfg.gate_on_attention,
-        afd_extra={"num_stages": cfg.num_stages} if cfg.num_stages > 1 else None,
+        afd_extra=afd_extra or None,
         ffn_extra=ffn_extra,
         ffn_env=ffn_env,
         progress=progress,
@@ -557,6 +583,8 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
     )
     gate = "attention" if cfg.gate_on_attention else "ffn"
     topology = f"{cfg.num_attention_ranks} attention : {cfg.num_ffn_ranks} ffn, gate on {gate}"
+    if cfg.attention_tp_size > 1:
+        topology += f", attention TP {cfg.attention_tp_size}"
     if cfg.num_stages > 1:
         topology += f", {cfg.num_stages} stages"
     parity = compare_parity(base.completions, afd.completions)

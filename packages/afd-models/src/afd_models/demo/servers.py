@@ -229,7 +229,8 @@ def afd_role_args(
     This is the single definition of the role launch: ``--additional-config '{"afd": {...}}'``
     plus ``--data-parallel-size A --api-server-count 1`` for the Attention role when ``A > 1``
     (one Attention engine core per rank behind one API server, all connected to the FFN role on
-    ``afd_port``). An FFN role server is one FFN rank (``ffn_rank``, see :func:`afd_config`);
+    ``afd_port``), and ``--tensor-parallel-size T`` for the Attention role when ``extra`` sets
+    ``attention_tp_size`` T > 1 (both roles get the field; every TP worker is an FFN peer). An FFN role server is one FFN rank (``ffn_rank``, see :func:`afd_config`);
     ``ffn_extra`` reaches the FFN role's mapping only.
     """
     cfg = afd_config(
@@ -243,6 +244,9 @@ def afd_role_args(
         ffn_extra=ffn_extra,
     )
     args = ["--additional-config", json.dumps({"afd": cfg}, sort_keys=True)]
+    tp = int(cfg.get("attention_tp_size", 1))
+    if role == "attention" and tp > 1:
+        args += ["--tensor-parallel-size", str(tp)]
     if role == "attention" and num_attention_ranks > 1:
         # One API server in front of the A engine cores (vLLM defaults to one per DP rank).
         args += ["--data-parallel-size", str(num_attention_ranks), "--api-server-count", "1"]

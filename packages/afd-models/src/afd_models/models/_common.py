@@ -121,6 +121,10 @@ class RemoteMoEBlock(nn.Module):
         self.afd_num_experts = num_experts
         self._gate_attr = gate_attr
         self._shared_attr = shared_attr
+        # Under TP the shared experts are sharded with reduce_results=False (upstream all-reduces
+        # shared + routed once); the routed output arrives whole (all-gathered), so only the
+        # shared part is all-reduced here.
+        self._tp_size = _remote_op.tp_world_size()
         setattr(self, gate_attr, gate)
         setattr(self, shared_attr, shared_experts)
 
@@ -135,6 +139,10 @@ class RemoteMoEBlock(nn.Module):
         shared_experts = getattr(self, self._shared_attr)
         router_logits = gate(x)[0] if gate is not None else None
         shared = shared_experts(x) if shared_experts is not None else None
+        if shared is not None and self._tp_size > 1:
+            from vllm.distributed import tensor_model_parallel_all_reduce
+
+            shared = tensor_model_parallel_all_reduce(shared)
         if input_ids is not None:
             routed = torch.ops.afd.remote_ffn_ids(x, router_logits, input_ids, self.layer_idx)
         elif self.afd_router is not None:

@@ -15,6 +15,11 @@ Every op is one dispatch, then :meth:`afd_remote.proxy.RemoteFFNProxy.complete`:
 attention while this round trip is in flight) and receives; a yield that fails (the other stage
 of the step failed) drops the transfer unreceived.
 
+Tensor-parallel Attention (``--tensor-parallel-size`` T > 1): every TP worker holds the same
+tokens, so each proxy gets afd-remote's routed TP padding bound to vLLM's TP group (worker ``r``
+sends rows ``[r * ceil(N/T), (r + 1) * ceil(N/T))``, the outputs are all-gathered in TP rank
+order) and every real token reaches the FFN role exactly once.
+
 Invariants: never mutates or aliases its inputs; one parameter-free proxy per (layer, gate side).
 """
 
@@ -24,6 +29,7 @@ import threading
 
 import torch
 from afd_remote.fused_moe import AFDAttentionFusedMoE
+from afd_remote.routed_padding import RoutedTPPadding
 
 _PROXIES: dict[tuple[int, bool], AFDAttentionFusedMoE] = {}
 _LOCK = threading.Lock()
@@ -36,9 +42,27 @@ def proxy_for(layer_idx: int, gate_on_attention: bool) -> AFDAttentionFusedMoE:
         proxy = _PROXIES.get(key)
         if proxy is None:
             proxy = _PROXIES[key] = AFDAttentionFusedMoE(
-                layer_idx, gate_on_attention=gate_on_attention
+                layer_idx, gate_on_attention=gate_on_attention, tp_padding=tp_padding()
             )
     return proxy
+
+
+def tp_world_size() -> int:
+    """vLLM's tensor-parallel size in this worker (1 when vLLM's groups are not set up)."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1
+    return int(parallel_state.get_tensor_model_parallel_world_size())
+
+
+def tp_padding() -> RoutedTPPadding | None:
+    """Routed TP padding over vLLM's TP group when this worker is one of several TP workers."""
+    if tp_world_size() == 1:
+        return None
+    from vllm.distributed import parallel_state
+
+    return RoutedTPPadding(parallel_state.get_tp_group().device_group)
 
 
 @torch.library.custom_op("afd::remote_ffn", mutates_args=())

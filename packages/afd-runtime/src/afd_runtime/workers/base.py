@@ -31,6 +31,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
+from afd_core.collectives import rows_per_tp_rank
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import (
     AFDConnectorBase,
@@ -40,6 +41,7 @@ from afd_core.connector import (
 from afd_core.errors import AFDCancelledError, AFDModelError, AFDPayloadError, AFDStateError
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.metadata import AFDControlMessage, AFDPayloadSpec
+from afd_core.topology import AFDTopology
 
 from afd_runtime import stage_hooks
 from afd_runtime.attention_link import AFDFFNUnavailableError, AttentionLink
@@ -129,6 +131,15 @@ def build_connector(
     )
 
 
+def _tp_rank(cfg: AFDConfig) -> int:
+    """This Attention worker's rank in vLLM's TP group (0 without tensor parallelism)."""
+    if cfg.attention_tp_size == 1:
+        return 0
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
+
+
 def _worker_device(worker: Any) -> torch.device | str:
     device = getattr(worker, "device", None)
     return device if isinstance(device, torch.device | str) else "cpu"
@@ -143,8 +154,15 @@ def install_step_hook(
     num_stages: int = 1,
     timeout_s: float = 120.0,
     vllm_config: Any = None,
+    tp_size: int = 1,
 ) -> None:
     """Wrap ``model.forward``: announce the step, install the AFD forward metadata, run.
+
+    With ``tp_size`` T > 1 (this worker is one of T Attention TP workers holding the same
+    tokens), each stage's announced count is this worker's routed-TP slice,
+    :func:`afd_core.collectives.rows_per_tp_rank` of the stage's tokens: the rows its MoE layers
+    send (afd-remote's routed TP padding slices by the same rule). ``afd_step_tokens`` counts the
+    rows announced.
 
     Every call runs inside ``link.step()`` (it fails at once with
     :class:`~afd_runtime.attention_link.AFDFFNUnavailableError` while the FFN role is
@@ -171,17 +189,19 @@ def install_step_hook(
         with link.step() as connector:
             if parent is not None:
                 counts = stage_token_counts(parent)
+                rows = tuple(rows_per_tp_rank(c, tp_size) for c in counts)
                 if announce:
-                    connector.send_control(AFDControlMessage(tuple((c,) for c in counts)))
+                    connector.send_control(AFDControlMessage(tuple((c,) for c in rows)))
                 steps.inc()
-                step_tokens.inc(sum(counts))
+                step_tokens.inc(sum(rows))
                 call = dict(zip(_FORWARD_ARGS, args, strict=False)) | kwargs
                 return run_stages(inner, parent, connector, call, timeout_s, vllm_config)
             counts = (n, *empty_tail)
+            rows = (rows_per_tp_rank(n, tp_size), *empty_tail)
             if announce:
-                connector.send_control(AFDControlMessage(tuple((c,) for c in counts)))
+                connector.send_control(AFDControlMessage(tuple((c,) for c in rows)))
             steps.inc()
-            step_tokens.inc(n)
+            step_tokens.inc(rows[0])
             meta = AFDForwardMetadata(connector=connector, num_stages=num_stages, num_tokens=counts)
             with set_afd_forward_metadata(meta):
                 return inner(*args, **kwargs)
@@ -230,7 +250,7 @@ class AFDAttentionWorkerMixin:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         cfg = require_afd_config(self.vllm_config, AFDRole.ATTENTION)
-        rank = role_rank(self.vllm_config, cfg)
+        rank = role_rank(self.vllm_config, cfg, _tp_rank(cfg))
         adopt_multiprocess_values()  # this engine core's afd_* values reach /metrics
         metrics = RoleMetrics(AFDRole.ATTENTION.value, rank)
         metrics.phase("load")
@@ -261,7 +281,9 @@ class AFDAttentionWorkerMixin:
         self._afd_link = link
         stage_hooks.install()  # the AFD layers' stage, yield and metadata come from here
         install_stage_split(self.model_runner, cfg.num_stages)
-        install_step_hook(model, link, cfg.num_stages, cfg.timeout_s, self.vllm_config)
+        install_step_hook(
+            model, link, cfg.num_stages, cfg.timeout_s, self.vllm_config, cfg.attention_tp_size
+        )
         logger.info("AFD Attention rank %d connected through connector %r", rank, connector.name)
 
     def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:
@@ -335,8 +357,10 @@ class AFDFFNWorkerMixin:
             cfg,
             model,
             self._afd_step_context,
-            # One call computes a (layer, stage) over every Attention rank's step tokens.
-            max_tokens=per_rank * cfg.num_attention_ranks,
+            # One call computes a (layer, stage) over every Attention peer's step rows (a TP
+            # worker sends its ceil(1/T) slice of its rank's tokens).
+            max_tokens=rows_per_tp_rank(per_rank, cfg.attention_tp_size)
+            * AFDTopology.from_config(cfg).num_attention_peers,
             ffn_rank=rank,
             device=device,
         )

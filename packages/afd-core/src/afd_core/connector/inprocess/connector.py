@@ -211,12 +211,12 @@ class InProcessConnector(AFDSessionConnector):
         self._check(AFDRole.ATTENTION, "send_control")
         if not isinstance(message, AFDControlMessage):
             raise AFDPayloadError("message", type(message).__name__, "an AFDControlMessage")
-        a = self.topology.num_attention_ranks
+        a = self.topology.num_attention_peers
         if message.num_stages and message.width not in (1, a):
             raise AFDPayloadError(
                 "stage_token_counts",
                 message.stage_token_counts,
-                f"1 or num_attention_ranks={a} entries per stage",
+                f"1 or {a} entries per stage (one per Attention peer)",
             )
         if message.num_stages and message.width != 1:
             message = message.select([self.role_rank])

@@ -45,11 +45,12 @@ class _AttentionSide(_P2PLifecycle):
         if not isinstance(message, AFDControlMessage):
             raise AFDPayloadError("message", type(message).__name__, "an AFDControlMessage")
         width = message.width
-        if message.num_stages and width not in (1, self.topology.num_attention_ranks):
+        peers = self.topology.num_attention_peers
+        if message.num_stages and width not in (1, peers):
             raise AFDPayloadError(
                 "stage_token_counts",
                 message.stage_token_counts,
-                f"1 or num_attention_ranks={self.topology.num_attention_ranks} entries per stage",
+                f"1 or {peers} entries per stage (one per Attention peer)",
             )
         if message.num_stages and width != 1:
             message = message.select([self.role_rank])

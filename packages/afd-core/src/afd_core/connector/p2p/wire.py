@@ -17,7 +17,7 @@ from afd_core.metadata import AFDControlMessage
 
 __all__ = ["CONTROL_WORDS", "HEADER_WORDS", "PROTOCOL_VERSION"]
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Version of the P2P wire protocol (handshake, tags, message layout, which receives are posted
 ahead: the Attention side mirrors the FFN side's rule).
 
@@ -32,7 +32,9 @@ ahead: the Attention side mirrors the FFN side's rule).
    watch; the handshake carries ``model_identity`` (compared across both roles).
 7: one data plane for every F: the ``(layer, stage, tokens)`` header precedes a transfer's rows
    when its count is not fixed by the control message (F > 1) or with ``check_sequence``, and is
-   received ahead on the FFN side (fixed size) in both cases."""
+   received ahead on the FFN side (fixed size) in both cases.
+8: tensor-parallel Attention: every TP worker is a peer (``A x T`` Attention world ranks); the
+   handshake's topology is ``[A, F, T]`` and the config agreement carries ``attention_tp_size``."""
 
 HEADER_WORDS = 3
 """Length (int64 words) of a transfer's header ``(layer, stage, tokens)``."""
