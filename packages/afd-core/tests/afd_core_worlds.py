@@ -1050,3 +1050,46 @@ def failure_before_init_rank(rank: int, port: int) -> dict[str, Any]:
     finally:
         conn.close()
     return {"type": None}
+
+
+def draft_steps_rank(rank: int, port: int) -> dict[str, Any]:
+    """1:1 world, 4 layer indices of which the last is a draft layer (``num_draft_layers=1``,
+    as DeepSeek's MTP layer after 3 target layers), receive-ahead on (gloo, request/reply).
+
+    Steps alternate target (layers 0-2) and draft (layer 3) with a new count each time, as
+    speculative decoding does (target: 3 tokens a request, draft: 1): every step ends at its own
+    last layer, so no receive is left posted for a count the next step does not announce."""
+    topo = AFDTopology(1, 1)
+    role, role_rank = topo.role_of(rank)
+    cfg = _config(role, port, 1, 1, timeout_s=20.0)
+    spec = AFDPayloadSpec(hidden_size=8, dtype=torch.float32)
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=4, num_draft_layers=1)
+    conn.init()
+    exact: list[bool] = []
+    steps = ((6, False), (2, True), (2, True), (9, False), (3, True), (6, False))
+    for step, (n, draft) in enumerate(steps):
+        layers = (3,) if draft else (0, 1, 2)
+        if role is AFDRole.ATTENTION:
+            conn.send_control(AFDControlMessage(((n,),), is_draft=draft))
+            for layer in layers:
+                value = float(step * 10 + layer)
+                handle = conn.send_dispatch(
+                    [AFDPayload(torch.full((n, 8), value))], AFDTransferMetadata(layer, 0, (n,))
+                )
+                reply = conn.recv_combine(handle)[0]
+                exact.append(torch.equal(reply, torch.full((n, 8), -value)))
+        else:
+            ctl = conn.recv_control()
+            exact.append(ctl.is_draft is draft)
+            for layer in layers:
+                meta, (payload,) = conn.recv_dispatch(layer, 0)
+                want = torch.full((n, 8), float(step * 10 + layer))
+                exact.append(torch.equal(payload.hidden_states, want))
+                conn.send_combine([-payload.hidden_states], meta)
+            exact.append(not conn._posted)  # nothing posted past the step's last layer
+    if role is AFDRole.ATTENTION:
+        conn.send_control(AFDControlMessage.shutdown_message())
+    else:
+        conn.recv_control()
+    conn.close()
+    return {"exact": exact}

@@ -187,6 +187,7 @@ def test_dtype_names() -> None:
         AFDControlMessage(((1, 2, 3), (4, 0, 6)), is_warmup=True),
         AFDControlMessage(((64,), (1,)), is_capture=True),
         AFDControlMessage(((7, 8),), is_warmup=True, is_capture=True),
+        AFDControlMessage(((3,),), is_draft=True),
         AFDControlMessage.shutdown_message(),
     ],
 )

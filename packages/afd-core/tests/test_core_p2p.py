@@ -415,10 +415,14 @@ def test_ffn_rejects_a_step_that_conflicts_with_a_posted_receive() -> None:
     # Same count for that rank (the other rank's count is free): kept, nothing new posted
     # because recv_ahead posting needs a group; disable it to test the check alone.
     conn.recv_ahead = False
-    conn._post_step_recvs(AFDControlMessage(((9, 4),)))
+    conn._post_step_recvs(AFDControlMessage(((9, 4),)), 1)
     assert list(conn._posted) == [(0, 1)]
-    with pytest.raises(AFDProtocolError, match=r"receive posted for 4 tokens from world rank 1"):
-        conn._post_step_recvs(AFDControlMessage(((4, 5),)))
+    with pytest.raises(
+        AFDProtocolError,
+        match=r"receive posted for 4 tokens from world rank 1 \(its previous step ended before "
+        r"layer 1\)",
+    ):
+        conn._post_step_recvs(AFDControlMessage(((4, 5),)), 1)
     assert not conn.is_initialized and conn._posted == {}
 
 
@@ -702,3 +706,24 @@ def test_publish_startup_failure_without_a_server_is_bounded_and_reports_false()
     t0 = time.monotonic()
     assert P2PConnector.publish_startup_failure(cfg, 0, "load", "x", timeout_s=1.5) is False
     assert time.monotonic() - t0 < 10.0
+
+
+@pytest.mark.timeout(60)
+def test_draft_steps_run_only_the_draft_layers_with_receive_ahead() -> None:
+    results = ok(run_world(worlds.draft_steps_rank, 2, free_port(), timeout_s=50))
+    assert results[0]["exact"] == [True] * 12  # 3 target steps x 3 layers + 3 draft steps
+    assert results[1]["exact"] == [True] * 24  # + the flag and "nothing left posted" per step
+
+
+def test_num_draft_layers_is_checked_and_shapes_the_step() -> None:
+    conn = P2PConnector(
+        AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=5, num_draft_layers=1
+    )
+    assert (conn.step_last_layer(False), conn.step_last_layer(True)) == (3, 4)
+    assert conn.handshake_fields()["num_draft_layers"] == 1
+    for bad in (-1, 5, True):
+        with pytest.raises(AFDConfigError) as info:
+            P2PConnector(
+                AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=5, num_draft_layers=bad
+            )
+        assert info.value.field == "num_draft_layers"

@@ -1,10 +1,11 @@
 """E2E: greedy outputs through the AFD Attention role equal plain ``vllm serve`` token for token.
 
 Engines are expensive (30-90 s each on a small CPU box), so servers are shared: one plain
-baseline per model family (its outputs computed once per session) and one AFD deployment per
-case (module-scoped, parametrized): eight cases with one FFN rank (two servers each), four
-expert-parallel cases with two FFN ranks (three servers each) and three two-stage cases
-(``num_stages=2``). One deployment runs at a time.
+baseline per model family and Attention TP size (its outputs computed once per session) and one
+AFD deployment per case (module-scoped, parametrized): cases with one FFN rank (two servers
+each), expert-parallel cases with two FFN ranks (three servers each), two-stage cases
+(``num_stages=2``) and tensor-parallel Attention cases (``attention_tp_size=2``, against plain
+vLLM at ``--tensor-parallel-size 2``). One deployment runs at a time.
 
 Two stages (``num_stages=2``): the Attention role splits every step with two or more requests
 at a request boundary and overlaps the stages; greedy tokens must equal plain vLLM (and so the

@@ -72,7 +72,13 @@ def test_write_refuses_existing_checkpoint(qwen_dir: Path) -> None:
 
 @pytest.mark.parametrize(
     ("kwargs", "field"),
-    [({"family": "llama"}, "family"), ({"seed": -1}, "seed"), ({"dtype": "int8"}, "dtype")],
+    [
+        ({"family": "llama"}, "family"),
+        ({"seed": -1}, "seed"),
+        ({"dtype": "int8"}, "dtype"),
+        ({"family": "qwen3_moe", "mtp_layers": 1}, "mtp_layers"),
+        ({"family": "deepseek_v3", "mtp_layers": 3}, "mtp_layers"),
+    ],
 )
 def test_spec_validation_names_field(kwargs: dict[str, object], field: str) -> None:
     with pytest.raises(ValueError, match=f"TinySpec.{field}="):
@@ -223,3 +229,23 @@ def test_wide_qwen3_moe_config_and_refusals() -> None:
         TinySpec(family="deepseek_v2", width="wide")
     with pytest.raises(ValueError, match=r"TinySpec\.width='huge'"):
         TinySpec(width="huge")  # type: ignore[arg-type]
+
+
+def test_mtp_layer_tensors_follow_the_decoder_layers() -> None:
+    """DeepSeek-V3 with one MTP layer: layer ``num_hidden_layers`` is a full MoE decoder layer
+    plus the MTP modules, named as DeepSeek's checkpoints name them; no MTP, no such layer."""
+    from afd_models.demo.tiny import model_config, tensor_shapes
+
+    cfg = model_config(TinySpec("deepseek_v3", mtp_layers=1), 100)
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    assert cfg["num_nextn_predict_layers"] == 1
+    shapes = tensor_shapes(cfg)
+    p = f"model.layers.{n}."
+    assert shapes[p + "eh_proj.weight"] == (h, 2 * h)
+    assert shapes[p + "shared_head.head.weight"] == (100, h)
+    assert {p + "enorm.weight", p + "hnorm.weight", p + "shared_head.norm.weight"} <= set(shapes)
+    assert p + "mlp.experts.7.down_proj.weight" in shapes
+    assert p + "self_attn.kv_b_proj.weight" in shapes
+    plain = tensor_shapes(model_config(TinySpec("deepseek_v3"), 100))
+    assert not any(k.startswith(p) for k in plain)
+    assert set(plain) < set(shapes)

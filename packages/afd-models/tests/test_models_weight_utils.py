@@ -101,7 +101,12 @@ def test_deepseek_classifier_bias_and_mtp_layers() -> None:
     c = deepseek_classifier(gate_on_attention=True, num_layers=3)
     assert c("model.layers.1.mlp.gate.e_score_correction_bias") is WeightOwner.FFN
     assert c("model.layers.1.mlp.gate.weight") is WeightOwner.ATTENTION
-    assert c("model.layers.3.mlp.experts.0.up_proj.weight") is WeightOwner.NONE
+    # Layer 3 is past num_layers: the MTP (draft) layer. The FFN role serves its experts; its
+    # other tensors belong to the Attention role's drafter, never to the target model.
+    assert c("model.layers.3.mlp.experts.0.up_proj.weight") is WeightOwner.FFN
+    assert c("model.layers.3.mlp.gate.weight") is WeightOwner.NONE  # the gate is on Attention
+    assert c("model.layers.3.self_attn.o_proj.weight") is WeightOwner.NONE
+    assert c("model.layers.3.eh_proj.weight") is WeightOwner.NONE
     assert c("model.layers.2.mlp.shared_experts.up_proj.weight") is WeightOwner.ATTENTION
     assert deepseek_classifier(False, 3)("model.layers.1.mlp.gate.weight") is WeightOwner.FFN
 

@@ -383,3 +383,57 @@ def ffn_waiting_then_sigterm(port: int, q: Any) -> None:
     threading.Timer(0.0, os.kill, (os.getpid(), signal.SIGTERM)).start()
     ended = svc.wait(20.0)
     q.put(("ffn", ended, (time.monotonic() - t0, svc.failed, svc.deployments)))
+
+
+#: Speculative decoding: target steps run LAYERS, draft steps (the MTP layer) only DRAFT_LAYER.
+DRAFT_LAYER = 4
+DRAFT_STEPS = ((6, False), (2, True), (2, True), (9, False), (3, True))
+
+
+def draft_connector(cfg: AFDConfig, rank: int) -> Any:
+    return create_connector(
+        cfg, rank, payload_spec=spec(False), num_layers=DRAFT_LAYER + 1, num_draft_layers=1
+    )
+
+
+def draft_ffn_main(port: int, q: Any) -> None:
+    cfg = config("ffn", port, connector="p2p")
+    calls: list[tuple[int, int]] = []
+
+    def compute(layer: int, hidden: torch.Tensor, logits: Any) -> torch.Tensor:
+        calls.append((layer, int(hidden.shape[0])))
+        return hidden * (layer + 1)
+
+    svc = FFNService(
+        cfg,
+        0,
+        (*LAYERS, DRAFT_LAYER),
+        compute,
+        lambda: draft_connector(cfg, 0),
+        draft_layer_indices=(DRAFT_LAYER,),
+    )
+    svc.start()
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and svc.stats.steps < len(DRAFT_STEPS) and not svc.failed:
+        time.sleep(0.05)
+    time.sleep(1.0)
+    err = svc._error
+    svc.stop()
+    q.put(("ffn", calls, None if err is None else f"{type(err).__name__}: {err}"))
+
+
+def draft_attention_main(port: int, q: Any) -> None:
+    cfg = config("attention", port, connector="p2p")
+    conn = draft_connector(cfg, 0)
+    conn.init()
+    results: list[bool] = []
+    for step, (n, draft) in enumerate(DRAFT_STEPS):
+        hidden = _hidden(n, 0, step)
+        conn.send_control(AFDControlMessage(((n,),), is_draft=draft))
+        for layer in (DRAFT_LAYER,) if draft else LAYERS:
+            meta = AFDTransferMetadata(layer, 0, (n,))
+            got = conn.recv_combine(conn.send_dispatch([AFDPayload(hidden)], meta))[0]
+            results.append(torch.equal(got, hidden * (layer + 1)))
+    conn.send_control(AFDControlMessage.shutdown_message())
+    conn.close()
+    q.put(("attention", all(results), len(results)))

@@ -401,3 +401,38 @@ def test_quantized_compute_refuses_input_ids() -> None:
     layered = QuantizedFFNCompute("layered", model, max_tokens=16, ffn_rank=0)
     with pytest.raises(AFDPayloadError, match=r"input_ids.*ffn_compute='native'"):
         layered(1, torch.zeros(2, 64), None, input_ids=torch.tensor([1, 2]))
+
+
+def test_speculative_decoding_is_refused_where_afd_does_not_run_it() -> None:
+    from afd_runtime.roles import check_speculative_decoding
+
+    spec = SimpleNamespace(method="mtp")
+
+    def vc(afd: dict[str, Any], speculative: Any = spec) -> SimpleNamespace:
+        return SimpleNamespace(speculative_config=speculative, **vars(_vllm_config(afd)))
+
+    attention = {"role": "attention", "port": 9}
+    check_speculative_decoding(AFDConfig.from_mapping(attention), vc(attention))  # 1:1: runs
+    check_speculative_decoding(AFDConfig.from_mapping(attention), vc(attention, None))
+    cases = [
+        ({"role": "ffn", "port": 9}, "--speculative-config", "mtp"),
+        ({**attention, "num_attention_ranks": 2}, "num_attention_ranks", 2),
+        ({**attention, "num_stages": 2}, "num_stages", 2),
+    ]
+    for afd, field, value in cases:
+        with pytest.raises(AFDConfigError) as err:
+            check_speculative_decoding(AFDConfig.from_mapping(afd), vc(afd))
+        assert (err.value.field, err.value.value) == (field, value)
+
+
+def test_build_connector_takes_the_draft_layers_as_the_last_indices() -> None:
+    from afd_core.errors import AFDModelError
+    from afd_runtime.workers.base import build_connector
+
+    cfg = AFDConfig.from_mapping({"role": "ffn", "port": 9})
+    spec = AFDPayloadSpec(hidden_size=2, dtype=torch.float32)
+    conn = build_connector(cfg, 0, spec, (1, 2, 3, 4), "cpu", draft_layers=(4,))
+    assert (conn.num_layers, conn.num_draft_layers) == (5, 1)
+    with pytest.raises(AFDModelError) as err:
+        build_connector(cfg, 0, spec, (1, 2, 3, 4), "cpu", draft_layers=(3,))
+    assert err.value.field == "draft_layers"

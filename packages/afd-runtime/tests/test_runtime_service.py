@@ -242,3 +242,45 @@ def test_a_failed_bind_fails_the_ffn_and_reaches_attention_in_stage_bind() -> No
     finally:
         svc.stop()
         attention.close()
+
+
+@pytest.mark.timeout(240)
+def test_draft_steps_run_only_the_draft_layers() -> None:
+    """Speculative decoding over the P2P connector (receive-ahead on): the FFN service runs the
+    target layers for ordinary steps and only the draft (MTP) layer for steps announced
+    ``is_draft``, in the order the Attention rank sends them, with each step's own count."""
+    ctx = _Ctx()
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=ranks.draft_ffn_main, args=(port, q)),
+        ctx.Process(target=ranks.draft_attention_main, args=(port, q)),
+    ]
+    out = {}
+    try:
+        for p in procs:
+            p.start()
+        for _ in range(2):
+            name, a, b = q.get(timeout=200)
+            out[name] = (a, b)
+    finally:
+        for p in procs:
+            p.join(30)
+            assert not p.is_alive(), "a rank did not end"
+    expected = [
+        (layer, n)
+        for n, draft in ranks.DRAFT_STEPS
+        for layer in ((ranks.DRAFT_LAYER,) if draft else ranks.LAYERS)
+    ]
+    assert out["ffn"] == (expected, None)
+    assert out["attention"] == (True, len(expected))
+
+
+def test_draft_layers_must_be_served_layers() -> None:
+    from afd_core.errors import AFDModelError
+    from afd_runtime.ffn_service import FFNService
+
+    cfg = ranks.config("ffn", 1239)
+    with pytest.raises(AFDModelError) as info:
+        FFNService(cfg, 0, (1, 3), lambda *a: a[1], lambda: None, draft_layer_indices=(4,))
+    assert info.value.field == "draft_layer_indices"

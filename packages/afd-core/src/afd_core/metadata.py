@@ -56,7 +56,8 @@ CONTROL_VERSION = 1
 _FLAG_WARMUP = 1
 _FLAG_CAPTURE = 2
 _FLAG_SHUTDOWN = 4
-_KNOWN_FLAGS = _FLAG_WARMUP | _FLAG_CAPTURE | _FLAG_SHUTDOWN
+_FLAG_DRAFT = 8
+_KNOWN_FLAGS = _FLAG_WARMUP | _FLAG_CAPTURE | _FLAG_SHUTDOWN | _FLAG_DRAFT
 _HEADER_WORDS = 5  # magic, version, flags, num_stages, width
 
 _DTYPES: dict[str, torch.dtype] = {
@@ -345,13 +346,17 @@ class AFDControlMessage:
 
     ``stage_token_counts[s][i]`` is the token count of the ``i``-th Attention rank (of the set the
     message describes) in stage ``s``. Every stage has the same number of entries. ``shutdown``
-    asks the FFN service loop to exit; a shutdown message may have zero stages.
+    asks the FFN service loop to exit; a shutdown message may have zero stages. ``is_draft``
+    marks a speculative draft model's forward (e.g. DeepSeek's MTP layer): the step runs only
+    the connector's draft layers (its last ``num_draft_layers`` layer indices); any other step
+    runs the target model's layers, before them.
     """
 
     stage_token_counts: tuple[tuple[int, ...], ...]
     is_warmup: bool = False
     is_capture: bool = False
     shutdown: bool = False
+    is_draft: bool = False
 
     def __post_init__(self) -> None:
         counts = self.stage_token_counts
@@ -376,7 +381,7 @@ class AFDControlMessage:
             raise AFDPayloadError(
                 "stage_token_counts", counts, "at least one stage (unless shutdown=True)"
             )
-        for name in ("is_warmup", "is_capture", "shutdown"):
+        for name in ("is_warmup", "is_capture", "shutdown", "is_draft"):
             if not isinstance(getattr(self, name), bool):
                 raise AFDPayloadError(name, getattr(self, name), "a bool")
 
@@ -411,6 +416,7 @@ class AFDControlMessage:
             is_warmup=self.is_warmup,
             is_capture=self.is_capture,
             shutdown=self.shutdown,
+            is_draft=self.is_draft,
         )
 
     @property
@@ -420,6 +426,7 @@ class AFDControlMessage:
             (_FLAG_WARMUP if self.is_warmup else 0)
             | (_FLAG_CAPTURE if self.is_capture else 0)
             | (_FLAG_SHUTDOWN if self.shutdown else 0)
+            | (_FLAG_DRAFT if self.is_draft else 0)
         )
 
     def words(self) -> list[int]:
@@ -468,6 +475,7 @@ class AFDControlMessage:
                 is_warmup=bool(flags & _FLAG_WARMUP),
                 is_capture=bool(flags & _FLAG_CAPTURE),
                 shutdown=bool(flags & _FLAG_SHUTDOWN),
+                is_draft=bool(flags & _FLAG_DRAFT),
             )
         except AFDPayloadError as err:
             raise AFDProtocolError(f"AFD control message is invalid: {err}") from err

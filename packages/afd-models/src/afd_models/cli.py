@@ -99,6 +99,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--gate attention)",
     )
     demo.add_argument(
+        "--speculative",
+        type=int,
+        default=0,
+        metavar="N",
+        help="speculative decoding with DeepSeek's MTP drafter, N tokens per step (plain vLLM and "
+        "the Attention role alike; the tiny deepseek_v3 checkpoint gets an MTP layer whose "
+        "experts the FFN role serves)",
+    )
+    demo.add_argument(
         "--tp",
         type=int,
         default=1,
@@ -277,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="tiny",
         help="wide: Qwen3-MoE at hidden 1024 (96 MiB of experts per MoE layer)",
     )
+    tiny.add_argument(
+        "--mtp-layers",
+        type=int,
+        default=0,
+        help="DeepSeek-V3 multi-token-prediction layers (speculative decoding with deepseek_mtp)",
+    )
     tiny.add_argument("--cache-dir", type=Path, default=None)
     return parser
 
@@ -319,6 +334,13 @@ def demo_config_from_namespace(
         parser.error(f"--seed={ns.seed!r} must be >= 0")
     if ns.model is not None and not ns.model.exists():
         parser.error(f"--model={str(ns.model)!r} does not exist")
+    if ns.speculative < 0:
+        parser.error(f"--speculative={ns.speculative!r} must be >= 0")
+    if ns.speculative and ns.model is None and ns.family != "deepseek_v3":
+        parser.error(
+            f"--speculative={ns.speculative!r} needs --family deepseek_v3 (the tiny checkpoint "
+            "whose MTP layer drafts) or a --model with MTP layers"
+        )
     if ns.ffn_ranks > 1 and ns.gate != "attention":
         parser.error(
             f"--ffn-ranks={ns.ffn_ranks!r} needs --gate attention (expert parallelism: the FFN "
@@ -340,6 +362,7 @@ def demo_config_from_namespace(
         num_attention_ranks=ns.attention_ranks,
         num_ffn_ranks=ns.ffn_ranks,
         attention_tp_size=ns.tp,
+        speculative_tokens=ns.speculative,
         gate_on_attention=ns.gate == "attention",
         num_stages=ns.stages,
         prompts=tuple(ns.prompt) if ns.prompt else DEMO_PROMPTS,
@@ -557,7 +580,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 
     try:
-        spec = TinySpec(family=ns.family, seed=ns.seed, width=ns.width)
+        spec = TinySpec(family=ns.family, seed=ns.seed, width=ns.width, mtp_layers=ns.mtp_layers)
     except ValueError as e:
         parser.error(f"afd tiny: {e}")
     path = ensure_tiny_checkpoint(spec, ns.cache_dir)

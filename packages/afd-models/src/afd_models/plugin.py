@@ -24,6 +24,7 @@ MODEL_REGISTRATIONS: Final[dict[str, str]] = {
     "Qwen3MoeForCausalLM": "afd_models.models.qwen3_moe:AFDQwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "afd_models.models.deepseek_v2:AFDDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "afd_models.models.deepseek_v2:AFDDeepseekV3ForCausalLM",
+    "DeepSeekMTPModel": "afd_models.models.deepseek_v2:AFDDeepSeekMTP",
     "Qwen3_5MoeForCausalLM": "afd_models.models.qwen3_5_moe:AFDQwen3_5MoeForCausalLM",
     "DeepseekV4ForCausalLM": "afd_models.models.deepseek_v4:AFDDeepseekV4ForCausalLM",
 }

@@ -155,10 +155,20 @@ class FFNService:
         layer_indices: Sequence[int],
         compute: FFNCompute,
         connector_factory: ConnectorFactory,
+        draft_layer_indices: Sequence[int] = (),
     ) -> None:
+        """``layer_indices``: every MoE layer this rank serves, the draft model's included;
+        ``draft_layer_indices``: those a step marked ``is_draft`` runs (a speculative draft
+        model's, e.g. DeepSeek's MTP layer, the last indices); every other step runs the rest."""
         if not layer_indices:
             raise AFDModelError(
                 "layer_indices", list(layer_indices), "at least one MoE layer index"
+            )
+        if not set(draft_layer_indices) <= set(layer_indices):
+            raise AFDModelError(
+                "draft_layer_indices",
+                list(draft_layer_indices),
+                f"a subset of layer_indices {list(layer_indices)}",
             )
         self.config = config
         self.ffn_rank = ffn_rank
@@ -167,6 +177,9 @@ class FFNService:
         self.topology = topology
         self.num_peers = len(topology.attention_ranks_for(ffn_rank))
         self.layer_indices = tuple(layer_indices)
+        self.draft_layer_indices = tuple(draft_layer_indices)
+        draft = set(self.draft_layer_indices)
+        self.target_layer_indices = tuple(i for i in self.layer_indices if i not in draft)
         self.compute = compute
         # Decided once: a stepped compute gets one scope per step (see _serve_step).
         self._step_scope = compute.step if isinstance(compute, SteppedFFNCompute) else None
@@ -366,7 +379,8 @@ class FFNService:
 
     def _serve_layers(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
         stats = self.stats
-        for layer in self.layer_indices:
+        layers = self.draft_layer_indices if msg.is_draft else self.target_layer_indices
+        for layer in layers:
             for stage in range(msg.num_stages):
                 meta, payloads = connector.recv_dispatch(layer, stage)
                 if self._delay is not None:

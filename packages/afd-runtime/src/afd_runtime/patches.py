@@ -70,7 +70,7 @@ from afd_core.session.access import deployment_secret
 
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
 from afd_runtime.metrics import enable_multiprocess_metrics
-from afd_runtime.roles import check_role_tensor_parallelism
+from afd_runtime.roles import check_role_tensor_parallelism, check_speculative_decoding
 from afd_runtime.signals import termination_reaches_main_thread
 from afd_runtime.vllm_compat import check_vllm_version
 from afd_runtime.workers import afd_worker_qualname
@@ -220,6 +220,7 @@ def select_afd_worker(
         return
     pc = vllm_config.parallel_config
     check_role_parallelism(cfg, pc)
+    check_speculative_decoding(cfg, vllm_config)
     # A host off loopback needs AFD_SECRET: refuse now, not after the engine has started.
     deployment_secret(cfg.host)
     current = pc.worker_cls

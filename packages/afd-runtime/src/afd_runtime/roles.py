@@ -85,6 +85,35 @@ def check_role_tensor_parallelism(cfg: AFDConfig, parallel_config: Any) -> None:
         )
 
 
+def check_speculative_decoding(cfg: AFDConfig, vllm_config: Any) -> None:
+    """Refuse a speculative-decoding setup AFD does not run: a ``--speculative-config`` on the
+    FFN role (it runs no drafter: the Attention role's drafter sends its MoE layers' tokens
+    there), or beside several Attention ranks or two stages (every served peer must run the
+    same draft steps in lockstep; only one data-parallel rank, one stage is verified)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return
+    method = getattr(spec, "method", None)
+    if cfg.role is AFDRole.FFN:
+        raise AFDConfigError(
+            "--speculative-config",
+            method,
+            "none on the FFN role (pass it to the Attention server only; the FFN role serves "
+            "the draft layers' experts for it)",
+        )
+    for name, value in (
+        ("num_attention_ranks", cfg.num_attention_ranks),
+        ("num_stages", cfg.num_stages),
+    ):
+        if value != 1:
+            raise AFDConfigError(
+                name,
+                value,
+                f"1 with --speculative-config (method {method!r}): AFD runs speculative "
+                "decoding on one Attention data-parallel rank and one stage",
+            )
+
+
 def role_rank(vllm_config: Any, cfg: AFDConfig, tp_rank: int = 0) -> int:
     """The role rank of this worker: an Attention worker's peer index ``dp_rank * T + tp_rank``
     (checked against the topology), an FFN worker's ``ffn_rank``."""
@@ -117,10 +146,13 @@ def model_param_bytes(model: torch.nn.Module) -> int:
     return int(measured) if isinstance(measured, int) else param_bytes(model)
 
 
-def report_param_bytes(metrics: RoleMetrics, model: torch.nn.Module) -> int:
-    """Publish ``model``'s bytes (see :func:`model_param_bytes`) as ``afd_param_bytes`` of
-    ``metrics``' role rank, log them, and return them."""
-    n = model_param_bytes(model)
+def report_param_bytes(
+    metrics: RoleMetrics, model: torch.nn.Module, drafter: torch.nn.Module | None = None
+) -> int:
+    """Publish ``model``'s bytes (see :func:`model_param_bytes`), plus a speculative
+    ``drafter``'s (the Attention role's MTP model), as ``afd_param_bytes`` of ``metrics``' role
+    rank, log them, and return them."""
+    n = model_param_bytes(model) + (0 if drafter is None else model_param_bytes(drafter))
     metrics.param_bytes(n)
     logger.info("AFD role=%s param_bytes=%d (rank %d)", metrics.role, n, metrics.rank)
     return n

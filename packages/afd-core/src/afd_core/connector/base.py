@@ -153,6 +153,7 @@ class AFDConnectorBase(ABC):
         device: torch.device | str | None = None,
         role_agreement: Mapping[str, Any] | None = None,
         model_identity: Mapping[str, Any] | None = None,
+        num_draft_layers: int = 0,
     ) -> None:
         if not isinstance(config, AFDConfig):
             raise AFDConfigError("config", type(config).__name__, "an AFDConfig")
@@ -173,6 +174,17 @@ class AFDConnectorBase(ABC):
             raise AFDConfigError("payload_spec", payload_spec, "an AFDPayloadSpec")
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
             raise AFDConfigError("num_layers", num_layers, "a positive int")
+        if (
+            isinstance(num_draft_layers, bool)
+            or not isinstance(num_draft_layers, int)
+            or not 0 <= num_draft_layers < num_layers
+        ):
+            raise AFDConfigError(
+                "num_draft_layers",
+                num_draft_layers,
+                f"an int in 0..{num_layers - 1} (the last layer indices of num_layers={num_layers} "
+                "that only a draft model's steps run)",
+            )
         try:
             dev = torch.device("cpu" if device is None else device)
         except (RuntimeError, TypeError):
@@ -194,9 +206,18 @@ class AFDConnectorBase(ABC):
         self.model_identity: dict[str, Any] = identity
         self.payload_spec = payload_spec
         self.num_layers = num_layers
+        #: The last ``num_draft_layers`` layer indices belong to a speculative draft model (e.g.
+        #: DeepSeek's MTP layer): a step marked ``is_draft`` runs only them, any other step ends
+        #: before them (:meth:`step_last_layer`).
+        self.num_draft_layers = num_draft_layers
         self.device = dev
         self._failure: AFDConnectorError | None = None
         self._failure_event = threading.Event()
+
+    def step_last_layer(self, is_draft: bool) -> int:
+        """The last layer index a step runs: ``num_layers - 1`` for a draft step, else the last
+        index before the draft layers."""
+        return self.num_layers - 1 - (0 if is_draft else self.num_draft_layers)
 
     # -- identity --------------------------------------------------------------------------
 
@@ -447,7 +468,7 @@ def merge_control_messages(
     """
     first = messages[0]
     for src, msg in zip(served[1:], messages[1:], strict=True):
-        for name in ("num_stages", "is_warmup", "is_capture", "shutdown"):
+        for name in ("num_stages", "is_warmup", "is_capture", "shutdown", "is_draft"):
             if getattr(msg, name) != getattr(first, name):
                 raise AFDProtocolError(
                     f"served Attention ranks disagree on {name}: world rank "
@@ -461,4 +482,5 @@ def merge_control_messages(
         is_warmup=first.is_warmup,
         is_capture=first.is_capture,
         shutdown=first.shutdown,
+        is_draft=first.is_draft,
     )

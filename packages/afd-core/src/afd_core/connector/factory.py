@@ -134,11 +134,15 @@ def create_connector(
     topology: AFDTopology | None = None,
     role_agreement: Mapping[str, Any] | None = None,
     model_identity: Mapping[str, Any] | None = None,
+    num_draft_layers: int = 0,
 ) -> AFDConnectorBase:
     """Construct (not initialise) the connector ``config.connector`` for ``role_rank``
-    (``role_agreement`` and ``model_identity``: see :class:`AFDConnectorBase`)."""
+    (``role_agreement``, ``model_identity`` and ``num_draft_layers``: see
+    :class:`AFDConnectorBase`)."""
     cls = get_connector_class(config.connector)
     kwargs: dict[str, Any] = {}
+    if num_draft_layers:
+        kwargs["num_draft_layers"] = num_draft_layers
     if role_agreement is not None:
         kwargs["role_agreement"] = role_agreement
     if model_identity is not None:

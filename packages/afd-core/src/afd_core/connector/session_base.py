@@ -68,6 +68,7 @@ class AFDSessionConnector(AFDConnectorBase):
         device: torch.device | str | None = None,
         role_agreement: Mapping[str, Any] | None = None,
         model_identity: Mapping[str, Any] | None = None,
+        num_draft_layers: int = 0,
     ) -> None:
         super().__init__(
             config,
@@ -78,6 +79,7 @@ class AFDSessionConnector(AFDConnectorBase):
             device=device,
             role_agreement=role_agreement,
             model_identity=model_identity,
+            num_draft_layers=num_draft_layers,
         )
         self._session: AFDSession | None = None
         self._opened = False  # open_groups() succeeded (confirm_ready() may follow)
@@ -133,6 +135,7 @@ class AFDSessionConnector(AFDConnectorBase):
             self.role_agreement,
             self.model_identity,
             protocol_version=self.protocol_version,
+            num_draft_layers=self.num_draft_layers,
         )
 
     def _who(self) -> str:

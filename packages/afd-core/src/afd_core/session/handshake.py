@@ -36,6 +36,7 @@ def _handshake_fields(
     model_identity: Mapping[str, Any] | None = None,
     *,
     protocol_version: int,
+    num_draft_layers: int = 0,
 ) -> dict[str, Any]:
     """The handshake publication of a rank with this config, topology, spec and device
     (``model_identity`` already in its canonical JSON form, see ``AFDConnectorBase``;
@@ -49,6 +50,7 @@ def _handshake_fields(
         "hidden_size": payload_spec.hidden_size,
         "dtype": dtype_name(payload_spec.dtype),
         "num_layers": num_layers,
+        "num_draft_layers": num_draft_layers,
         "topology": [
             topology.num_attention_ranks,
             topology.num_ffn_ranks,

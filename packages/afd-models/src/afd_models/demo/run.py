@@ -40,6 +40,7 @@ from afd_models.demo.servers import (
     VLLMServer,
     afd_series_count,
     afd_servers,
+    mtp_speculative_args,
     parity_options,
     parse_attention_stats,
     parse_ffn_stats,
@@ -74,6 +75,9 @@ class DemoConfig:
     num_ffn_ranks: int = 1
     #: The Attention role's --tensor-parallel-size (plain vLLM runs with the same, for parity).
     attention_tp_size: int = 1
+    #: Speculative tokens per step with DeepSeek's MTP drafter (0: none); the tiny DeepSeek-V3
+    #: checkpoint then has one MTP layer. Plain vLLM and the Attention role run the same config.
+    speculative_tokens: int = 0
     gate_on_attention: bool = False
     num_stages: int = 1
     prompts: tuple[str, ...] = DEMO_PROMPTS
@@ -107,6 +111,15 @@ class DemoConfig:
             )
         if self.num_ffn_ranks < 1:
             raise ValueError(f"DemoConfig.num_ffn_ranks={self.num_ffn_ranks!r} must be >= 1")
+        if self.speculative_tokens < 0:
+            raise ValueError(
+                f"DemoConfig.speculative_tokens={self.speculative_tokens!r} must be >= 0"
+            )
+        if self.speculative_tokens and self.model is None and self.family != "deepseek_v3":
+            raise ValueError(
+                f"DemoConfig.speculative_tokens={self.speculative_tokens!r} with "
+                f"family={self.family!r}; allowed: family 'deepseek_v3' (its MTP layer drafts)"
+            )
         if self.attention_tp_size < 1:
             raise ValueError(
                 f"DemoConfig.attention_tp_size={self.attention_tp_size!r} must be >= 1"
@@ -459,8 +472,10 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> Path:
         if not Path(cfg.model).exists():
             raise FileNotFoundError(f"model={str(cfg.model)!r} does not exist")
         return Path(cfg.model)
-    progress(f"building tiny {cfg.family} checkpoint (seed {cfg.seed}) ...")
-    path = ensure_tiny_checkpoint(TinySpec(family=cfg.family, seed=cfg.seed), cfg.cache_dir)
+    mtp = 1 if cfg.speculative_tokens else 0
+    progress(f"building tiny {cfg.family} checkpoint (seed {cfg.seed}, MTP layers {mtp}) ...")
+    spec = TinySpec(family=cfg.family, seed=cfg.seed, mtp_layers=mtp)
+    path = ensure_tiny_checkpoint(spec, cfg.cache_dir)
     progress(f"tiny checkpoint: {path}")
     return path
 
@@ -498,16 +513,17 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
             "(--max-num-seqs 1) on every server so outputs are comparable"
         )
 
-    plain_options = options
-    if cfg.attention_tp_size > 1:
-        plain_options = replace(
-            options,
-            extra_args=(
-                *options.extra_args,
-                "--tensor-parallel-size",
-                str(cfg.attention_tp_size),
-            ),
+    attention_args: tuple[str, ...] = ()
+    if cfg.speculative_tokens:
+        attention_args = mtp_speculative_args(cfg.speculative_tokens)
+        progress(
+            f"speculative decoding: DeepSeek MTP, {cfg.speculative_tokens} token(s) per step, on "
+            "plain vLLM and the Attention role (the FFN role serves the MTP layer's experts)"
         )
+    plain_extra = attention_args
+    if cfg.attention_tp_size > 1:
+        plain_extra += ("--tensor-parallel-size", str(cfg.attention_tp_size))
+    plain_options = replace(options, extra_args=(*options.extra_args, *plain_extra))
     plain = plain_server(model, log_dir=log_dir, options=plain_options, progress=progress)
     plain.start()
     try:
@@ -547,6 +563,7 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         ffn_extra=ffn_extra,
         ffn_env=ffn_env,
         progress=progress,
+        attention_args=attention_args,
     )
     try:
         for ffn in ffns:
@@ -585,6 +602,8 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
     topology = f"{cfg.num_attention_ranks} attention : {cfg.num_ffn_ranks} ffn, gate on {gate}"
     if cfg.attention_tp_size > 1:
         topology += f", attention TP {cfg.attention_tp_size}"
+    if cfg.speculative_tokens:
+        topology += f", MTP {cfg.speculative_tokens} speculative token(s)"
     if cfg.num_stages > 1:
         topology += f", {cfg.num_stages} stages"
     parity = compare_parity(base.completions, afd.completions)

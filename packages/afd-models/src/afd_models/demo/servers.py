@@ -582,6 +582,15 @@ SPLIT_EVERY_STEP_ARGS: Final[tuple[str, ...]] = (
 )
 
 
+def mtp_speculative_args(num_speculative_tokens: int) -> tuple[str, ...]:
+    """``--speculative-config`` for DeepSeek's MTP drafter with ``num_speculative_tokens``
+    (plain vLLM and the AFD Attention role get the same; the FFN role gets none)."""
+    if isinstance(num_speculative_tokens, bool) or num_speculative_tokens < 1:
+        raise ValueError(f"num_speculative_tokens={num_speculative_tokens!r} must be >= 1")
+    config = {"method": "deepseek_mtp", "num_speculative_tokens": num_speculative_tokens}
+    return ("--speculative-config", json.dumps(config, sort_keys=True))
+
+
 def split_every_step(options: EngineOptions) -> EngineOptions:
     """``options`` plus :data:`SPLIT_EVERY_STEP_ARGS`."""
     return replace(options, extra_args=(*options.extra_args, *SPLIT_EVERY_STEP_ARGS))
@@ -675,6 +684,7 @@ def afd_servers(
     ffn_http_host: str = "127.0.0.1",
     prefix: str = "afd",
     progress: Progress | None = None,
+    attention_args: Sequence[str] = (),
 ) -> tuple[VLLMServer, tuple[VLLMServer, ...]]:
     """Unstarted ``(attention, ffns)`` role servers of ``model`` sharing one free AFD port.
 
@@ -691,6 +701,8 @@ def afd_servers(
     ``ffn_argv_prefix`` runs every FFN server under a wrapper that execs it (e.g.
     ``("ip", "netns", "exec", NS)``: the server keeps its pid and session, so stop/kill work as
     usual); ``ffn_http_host`` is the address its HTTP server listens on and is probed at.
+    ``attention_args`` go to the Attention server only (e.g. ``--speculative-config``: the
+    drafter runs there).
     """
     if num_ffn_ranks < 1:
         raise ValueError(f"num_ffn_ranks={num_ffn_ranks!r} must be >= 1")
@@ -734,7 +746,7 @@ def afd_servers(
         argv = vllm_serve_command(
             model,
             port,
-            extra_args=[*options.args(), *role_args],
+            extra_args=[*options.args(), *role_args, *([] if is_ffn else attention_args)],
             max_model_len=options.max_model_len,
             host=http_host,
         )

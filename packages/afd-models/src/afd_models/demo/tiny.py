@@ -106,12 +106,19 @@ DEMO_PROMPTS: Final[tuple[str, ...]] = (
 
 @dataclass(frozen=True)
 class TinySpec:
-    """What identifies a tiny checkpoint: the model family, the weight seed and the dtype."""
+    """What identifies a tiny checkpoint: the model family, the weight seed and the dtype.
+
+    ``mtp_layers`` (``deepseek_v3`` only): DeepSeek's multi-token-prediction layers after the
+    decoder layers (``num_nextn_predict_layers``), for speculative decoding with
+    ``deepseek_mtp``: each is a full MoE decoder layer plus ``enorm``, ``hnorm``, ``eh_proj`` and
+    a shared head, named ``model.layers.<num_hidden_layers + i>.*`` as in DeepSeek's checkpoints.
+    """
 
     family: TinyFamily = "qwen3_moe"
     seed: int = 0
     dtype: TinyDType = "float32"
     width: TinyWidth = "tiny"
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -122,6 +129,13 @@ class TinySpec:
             raise ValueError(f"TinySpec.dtype={self.dtype!r} is not one of {DTYPES}")
         if self.width not in WIDTHS:
             raise ValueError(f"TinySpec.width={self.width!r} is not one of {WIDTHS}")
+        if isinstance(self.mtp_layers, bool) or self.mtp_layers not in (0, 1, 2):
+            raise ValueError(f"TinySpec.mtp_layers={self.mtp_layers!r}; allowed: 0, 1 or 2")
+        if self.mtp_layers and self.family != "deepseek_v3":
+            raise ValueError(
+                f"TinySpec.mtp_layers={self.mtp_layers!r} with family={self.family!r}; allowed: "
+                "0 (MTP layers are DeepSeek-V3's)"
+            )
         if self.width != "tiny" and self.family != "qwen3_moe":
             raise ValueError(
                 f"TinySpec.width={self.width!r} with family={self.family!r}; allowed: 'tiny' "
@@ -174,7 +188,7 @@ def model_config(spec: TinySpec, vocab_size: int) -> dict[str, Any]:
             **wide,
         }
     if spec.family == "deepseek_v3":
-        return _deepseek_v3_config(common)
+        return {**_deepseek_v3_config(common), "num_nextn_predict_layers": spec.mtp_layers}
     # DeepSeek-V2 with MLA. The CPU MLA kernel needs kv_lora_rank + qk_rope_head_dim == 576.
     return {
         **common,
@@ -256,7 +270,18 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     moe_i = int(config["moe_intermediate_size"])
     dense_i = int(config["intermediate_size"])
     n_heads = int(config["num_attention_heads"])
-    for layer in range(int(config["num_hidden_layers"])):
+    num_hidden = int(config["num_hidden_layers"])
+    mtp = int(config.get("num_nextn_predict_layers", 0) or 0)
+    for layer in range(num_hidden, num_hidden + mtp):
+        # DeepSeek's MTP layer: its own input norms, the projection of [embedding; hidden],
+        # a shared head (norm + LM head), then a decoder layer (added by the loop below).
+        p = f"model.layers.{layer}."
+        shapes[p + "enorm.weight"] = (h,)
+        shapes[p + "hnorm.weight"] = (h,)
+        shapes[p + "eh_proj.weight"] = (h, 2 * h)
+        shapes[p + "shared_head.norm.weight"] = (h,)
+        shapes[p + "shared_head.head.weight"] = (v, h)
+    for layer in range(num_hidden + mtp):
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
@@ -423,7 +448,8 @@ def spec_hash(spec: TinySpec) -> str:
     payload = {
         "generator_version": GENERATOR_VERSION,
         "spec": {"family": spec.family, "seed": spec.seed, "dtype": spec.dtype}
-        | ({"width": spec.width} if spec.width != "tiny" else {}),
+        | ({"width": spec.width} if spec.width != "tiny" else {})
+        | ({"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}),
         "config": model_config(spec, 0),
         "corpus": list(CORPUS),
         "special_tokens": list(SPECIAL_TOKENS),
@@ -463,6 +489,7 @@ def ensure_tiny_checkpoint(spec: TinySpec | None = None, cache_dir: Path | None 
     spec = spec or TinySpec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     width = "" if spec.width == "tiny" else f"-{spec.width}"
+    width += f"-mtp{spec.mtp_layers}" if spec.mtp_layers else ""
     target = root / f"{spec.family}{width}-s{spec.seed}-{spec.dtype}-{spec_hash(spec)}"
     if (target / "config.json").is_file():
         return target

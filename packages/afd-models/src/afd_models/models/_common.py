@@ -320,8 +320,12 @@ class AFDFFNCausalLM(nn.Module):
         quant: tuple[QuantScheme, int] | None = None,
         compute_top_k: int | None = None,
         moe_attr: str = "mlp",
+        draft_layer_indices: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
+        # The draft model's MoE layers (e.g. DeepSeek's MTP layer), also in
+        # afd_moe_layer_indices: steps marked is_draft run only these.
+        self.afd_draft_layer_indices: tuple[int, ...] = tuple(draft_layer_indices)
         # The decoder layer's attribute holding the MoE block (``mlp``; DeepSeek-V4: ``ffn``).
         self._moe_attr = moe_attr
         self._local_experts = local_experts
@@ -527,11 +531,25 @@ class AFDRoleModelMixin:
         ``num_local_physical_experts = 0`` (those upstream's constructor did not set right)."""
         return {}
 
+    @staticmethod
+    def _afd_num_draft_layers(config: Any) -> int:
+        """MoE layers of the checkpoint's own draft model after its ``num_hidden_layers``
+        (DeepSeek's MTP layers, ``num_nextn_predict_layers``); 0 without one."""
+        return 0
+
     # -- shared behaviour -------------------------------------------------------------------
 
     @classmethod
     def _afd_moe_layer_indices(cls, config: Any) -> tuple[int, ...]:
         return tuple(i for i in range(config.num_hidden_layers) if cls._afd_is_moe_layer(config, i))
+
+    @classmethod
+    def _afd_draft_layer_indices(cls, config: Any) -> tuple[int, ...]:
+        """The draft model's MoE layer indices, ``num_hidden_layers ..`` (the checkpoint names
+        them so). The FFN role serves their routed experts beside the target's (each FFN rank
+        its share); the Attention role's drafter holds the rest of them."""
+        n = int(config.num_hidden_layers)
+        return tuple(range(n, n + cls._afd_num_draft_layers(config)))
 
     @classmethod
     def _afd_payload_spec(cls, vllm_config: Any, afd: AFDConfig) -> AFDPayloadSpec:
@@ -640,9 +658,11 @@ class AFDRoleModelMixin:
 
         if emap is not None:
             top_k = min(top_k, emap.num_local(afd.ffn_rank))
+        draft = cls._afd_draft_layer_indices(config)
         return AFDFFNCausalLM(
-            num_layers=config.num_hidden_layers,
-            moe_layer_indices=cls._afd_moe_layer_indices(config),
+            num_layers=config.num_hidden_layers + len(draft),
+            moe_layer_indices=cls._afd_moe_layer_indices(config) + draft,
+            draft_layer_indices=draft,
             build_block=build_block,
             classify=cls._afd_classifier(
                 config, gate_on_attention, attention_routes=emap is not None
@@ -672,6 +692,7 @@ class AFDRoleModelMixin:
             config, afd.compute_gate_on_attention, attention_routes=afd.num_ffn_ranks > 1
         )
         self.afd_moe_layer_indices = self._afd_moe_layer_indices(config)
+        self.afd_draft_layer_indices = self._afd_draft_layer_indices(config)
         self.afd_payload_spec = self._afd_payload_spec(vllm_config, afd)
 
     def __new__(cls, *args: Any, **kwargs: Any) -> Any:

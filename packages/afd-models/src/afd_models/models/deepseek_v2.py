@@ -21,18 +21,23 @@ upstream's router dtype and the EPLB list upstream fills (``moe_mlp_layers``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+from afd_core.config import AFDRole
+from afd_weights import param_bytes
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
+from vllm.model_executor.models import deepseek_mtp as upstream_mtp
 from vllm.model_executor.models import deepseek_v2 as upstream
 
 from afd_models._weight_utils import (
     Classifier,
     WeightOwner,
     classify_moe_weight,
+    filter_role_weights,
     layer_index,
 )
 from afd_models.models._common import (
@@ -57,27 +62,41 @@ def is_moe_layer(config: Any, layer_idx: int) -> bool:
 
 
 def deepseek_classifier(
-    gate_on_attention: bool, num_layers: int, attention_routes: bool = False
+    gate_on_attention: bool, num_layers: int | None, attention_routes: bool = False
 ) -> Any:
     """Routed experts -> FFN; gate weight -> its side; the routing bias -> where experts are
     selected; the rest -> Attention.
 
     The ``e_score_correction_bias`` (V3 ``noaux_tc``) is used only when selecting experts: on the
     FFN role with one FFN rank (its FusedMoE, or the quantized computes' router), on the
-    Attention role with expert parallelism (``attention_routes``). Layers at or beyond
-    ``num_layers`` (V3's MTP / speculative layers, which upstream skips too) go to neither role.
+    Attention role with expert parallelism (``attention_routes``).
+
+    The draft-layer policy, in this one place: layers at or beyond ``num_layers`` are the
+    checkpoint's MTP (speculative draft) layers. Their FFN-owned tensors (routed experts, and the
+    gate and bias where the FFN routes) go to the FFN role, which serves the draft layers' experts
+    beside the target's; everything else of theirs goes to neither role's target model (the
+    Attention role's drafter, :class:`AFDDeepSeekMTP`, loads it through
+    :func:`deepseek_draft_classifier`). ``num_layers=None`` classifies every layer alike.
     """
     bias_owner = WeightOwner.ATTENTION if attention_routes else WeightOwner.FFN
 
     def classify(name: str) -> WeightOwner:
-        idx = layer_index(name)
-        if idx is not None and idx >= num_layers:
-            return WeightOwner.NONE
         if name.endswith(_BIAS_SUFFIX):
-            return bias_owner
-        return classify_moe_weight(name, gate_on_attention=gate_on_attention)
+            owner = bias_owner
+        else:
+            owner = classify_moe_weight(name, gate_on_attention=gate_on_attention)
+        idx = layer_index(name)
+        if num_layers is not None and idx is not None and idx >= num_layers:
+            return owner if owner is WeightOwner.FFN else WeightOwner.NONE
+        return owner
 
     return classify
+
+
+def deepseek_draft_classifier(gate_on_attention: bool, attention_routes: bool = False) -> Any:
+    """The Attention role's MTP drafter: what :func:`deepseek_classifier` gives the Attention
+    role, for every layer (upstream's MTP loader then keeps its own layers' tensors)."""
+    return deepseek_classifier(gate_on_attention, None, attention_routes)
 
 
 def _uses_correction_bias(config: Any) -> bool:
@@ -248,6 +267,12 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
         return deepseek_classifier(gate_on_attention, config.num_hidden_layers, attention_routes)
 
     @staticmethod
+    def _afd_num_draft_layers(config: Any) -> int:
+        # DeepSeek-V3's MTP layers (0 for V2); served when the Attention role decodes
+        # speculatively with method deepseek_mtp / mtp.
+        return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+
+    @staticmethod
     def _afd_eplb_attributes(config: Any) -> dict[str, Any]:
         # Upstream's constructor counted the MoE blocks (AFDAttnDeepseekV2MoE reports no local
         # experts); only its lists of MoE layers are emptied.
@@ -266,3 +291,35 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):
     """DeepSeek-V3 uses the V2 implementation upstream too."""
+
+
+class AFDDeepSeekMTP(upstream_mtp.DeepSeekMTP):
+    """``DeepSeekMTP`` (the MTP drafter, architecture ``DeepSeekMTPModel``) on the Attention role:
+    its layer's ``DeepseekV2MoE`` is :class:`AFDAttnDeepseekV2MoE` (built as in the target
+    model), so the draft layer's routed experts run on the FFN role, which holds them (see
+    :func:`deepseek_classifier`); MLA attention, norms, ``eh_proj`` and the shared head stay here.
+
+    The drafter's forwards are AFD steps of their own (afd-runtime announces them
+    ``is_draft``). Without ``additional_config["afd"]`` this is upstream's class.
+    """
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        afd = afd_config_of(vllm_config)
+        self._afd_classify: Classifier | None = None
+        if afd is None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            return
+        with construction_override(upstream, "DeepseekV2MoE", AFDAttnDeepseekV2MoE):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        self._afd_classify = deepseek_draft_classifier(
+            afd.compute_gate_on_attention, attention_routes=afd.num_ffn_ranks > 1
+        )
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        if self._afd_classify is not None:
+            weights = filter_role_weights(weights, AFDRole.ATTENTION, self._afd_classify)
+        loaded: set[str] = super().load_weights(weights)
+        # vLLM's MTP proposer then replaces this model's token embedding with the target
+        # model's (one tensor), so it is not counted here a second time.
+        self.afd_param_bytes = param_bytes(self) - param_bytes(self.model.embed_tokens)
+        return loaded

@@ -112,14 +112,27 @@ def build_connector(
     *,
     role_agreement: Mapping[str, Any] | None = None,
     model_identity: Mapping[str, Any] | None = None,
+    draft_layers: tuple[int, ...] = (),
 ) -> AFDConnectorBase:
     """The connector ``cfg.connector`` for this role rank (constructed, not initialised).
+
+    ``draft_layers``: the MoE layers of the checkpoint's draft model (DeepSeek's MTP layers),
+    the last layer indices; ``layers`` holds them too. The connector's ``num_draft_layers``
+    (compared in the handshake) is their count.
 
     ``num_layers`` is ``max(layers) + 1``: the connector's layer index is the decoder layer
     index, which both roles derive from the same checkpoint config. ``role_agreement``: see
     :class:`afd_core.connector.AFDConnectorBase` (the FFN role's quantized compute's geometry);
     ``model_identity``: what both roles serve
     (:func:`afd_runtime.identity.model_identity`), compared across every rank at init."""
+    last = max(layers)
+    if draft_layers and tuple(draft_layers) != tuple(range(last + 1 - len(draft_layers), last + 1)):
+        raise AFDModelError(
+            "draft_layers",
+            list(draft_layers),
+            f"the last {len(draft_layers)} layer indices up to {last} (the draft model's layers "
+            "follow the target's)",
+        )
     return create_connector(
         cfg,
         rank,
@@ -128,7 +141,19 @@ def build_connector(
         device=device,
         role_agreement=role_agreement,
         model_identity=model_identity,
+        num_draft_layers=len(draft_layers),
     )
+
+
+def _afd_drafter_model(model_runner: Any, draft_layers: tuple[int, ...]) -> Any:
+    """The speculative drafter's model when it runs the checkpoint's draft layers (vLLM's MTP
+    proposer: ``model_runner.drafter.model``), else None. A drafter without MoE layers on the
+    FFN role (n-gram, a dense draft model) needs nothing from AFD."""
+    drafter = getattr(model_runner, "drafter", None)
+    model = getattr(drafter, "model", None)
+    if model is None or not draft_layers:
+        return None
+    return model
 
 
 def _tp_rank(cfg: AFDConfig) -> int:
@@ -155,6 +180,8 @@ def install_step_hook(
     timeout_s: float = 120.0,
     vllm_config: Any = None,
     tp_size: int = 1,
+    *,
+    draft: bool = False,
 ) -> None:
     """Wrap ``model.forward``: announce the step, install the AFD forward metadata, run.
 
@@ -163,6 +190,9 @@ def install_step_hook(
     :func:`afd_core.collectives.rows_per_tp_rank` of the stage's tokens: the rows its MoE layers
     send (afd-remote's routed TP padding slices by the same rule). ``afd_step_tokens`` counts the
     rows announced.
+
+    ``draft``: ``model`` is a speculative drafter (DeepSeek's MTP model): every forward is a
+    step announced ``is_draft`` (the FFN ranks run only the draft layers for it).
 
     Every call runs inside ``link.step()`` (it fails at once with
     :class:`~afd_runtime.attention_link.AFDFFNUnavailableError` while the FFN role is
@@ -191,7 +221,9 @@ def install_step_hook(
                 counts = stage_token_counts(parent)
                 rows = tuple(rows_per_tp_rank(c, tp_size) for c in counts)
                 if announce:
-                    connector.send_control(AFDControlMessage(tuple((c,) for c in rows)))
+                    connector.send_control(
+                        AFDControlMessage(tuple((c,) for c in rows), is_draft=draft)
+                    )
                 steps.inc()
                 step_tokens.inc(sum(rows))
                 call = dict(zip(_FORWARD_ARGS, args, strict=False)) | kwargs
@@ -199,7 +231,7 @@ def install_step_hook(
             counts = (n, *empty_tail)
             rows = (rows_per_tp_rank(n, tp_size), *empty_tail)
             if announce:
-                connector.send_control(AFDControlMessage(tuple((c,) for c in rows)))
+                connector.send_control(AFDControlMessage(tuple((c,) for c in rows), is_draft=draft))
             steps.inc()
             step_tokens.inc(rows[0])
             meta = AFDForwardMetadata(connector=connector, num_stages=num_stages, num_tokens=counts)
@@ -257,7 +289,9 @@ class AFDAttentionWorkerMixin:
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         model = self.model_runner.get_model()
         metrics.phase("loaded")
-        report_param_bytes(metrics, model)
+        draft = tuple(getattr(model, "afd_draft_layer_indices", ()))
+        drafter = _afd_drafter_model(self.model_runner, draft)
+        report_param_bytes(metrics, model, drafter)
         spec = getattr(model, "afd_payload_spec", None)
         layers = getattr(model, "afd_moe_layer_indices", None)
         if not isinstance(spec, AFDPayloadSpec) or not layers:
@@ -271,9 +305,10 @@ class AFDAttentionWorkerMixin:
             cfg,
             rank,
             spec,
-            tuple(layers),
+            tuple(layers) + draft,
             _worker_device(self),
             model_identity=model_identity(self.vllm_config),
+            draft_layers=draft,
         )
         instrument_attention_connector(connector, metrics)
         link = AttentionLink(connector, name=f"rank {rank}", metrics=metrics)
@@ -284,6 +319,18 @@ class AFDAttentionWorkerMixin:
         install_step_hook(
             model, link, cfg.num_stages, cfg.timeout_s, self.vllm_config, cfg.attention_tp_size
         )
+        if drafter is not None:
+            # Speculative decoding with the checkpoint's MTP layer: each drafter forward is an
+            # AFD step of its own, announced is_draft (the FFN runs only the draft layers).
+            install_step_hook(
+                drafter,
+                link,
+                cfg.num_stages,
+                cfg.timeout_s,
+                self.vllm_config,
+                cfg.attention_tp_size,
+                draft=True,
+            )
         logger.info("AFD Attention rank %d connected through connector %r", rank, connector.name)
 
     def execute_dummy_batch(self, *args: Any, **kwargs: Any) -> Any:
@@ -365,6 +412,7 @@ class AFDFFNWorkerMixin:
             device=device,
         )
         layers = tuple(model.afd_moe_layer_indices)
+        draft = tuple(getattr(model, "afd_draft_layer_indices", ()))
         spec = model.afd_payload_spec
         agreement = None
         if isinstance(compute, QuantizedFFNCompute):
@@ -385,7 +433,9 @@ class AFDFFNWorkerMixin:
                 device,
                 role_agreement=agreement,
                 model_identity=identity,
+                draft_layers=draft,
             ),
+            draft_layer_indices=draft,
         )
 
     def _afd_step_context(self, num_tokens: int) -> AbstractContextManager[object]:

@@ -66,6 +66,7 @@ class _AttentionSide(_P2PLifecycle):
         _pack_control(self._control_bytes, words)
         wire = self._control_wire
         self._announced = announced
+        self._step_last = self.step_last_layer(message.is_draft)
         works: list[tuple[Any, int]] = []
         dst = self._ffn_world_rank
         try:
@@ -87,8 +88,8 @@ class _AttentionSide(_P2PLifecycle):
 
         Mirrors the FFN side's receive-ahead rule (see :mod:`afd_core.connector.p2p.recv_ahead` and
         :meth:`_window`): the FFN rank has receives posted for stage ``s`` when the previous
-        step's last transfer of ``s`` carried tokens, was not of layer ``num_layers - 1`` and
-        had a window of at least one receive. Sending another count there would make
+        step's last transfer of ``s`` carried tokens, was not of the step's last layer
+        (:meth:`step_last_layer`) and had a window of at least one receive. Sending another count there would make
         gloo abort the FFN process, so this raises (and tears down) before anything is sent.
         """
         for stage, n_posted in self._peer_posted.items():
@@ -97,7 +98,7 @@ class _AttentionSide(_P2PLifecycle):
                 self._fail(
                     AFDProtocolError(
                         f"stage {stage}: the FFN rank still has a receive posted for {n_posted} "
-                        f"tokens (the previous step ended before layer {self.num_layers - 1}), "
+                        f"tokens (the previous step ended before layer {self._step_last}), "
                         f"but this step announces {n}; end every step at the last layer or set "
                         "connector_extra_config.recv_ahead=false"
                     ),
@@ -177,7 +178,7 @@ class _AttentionSide(_P2PLifecycle):
             if n and self._window(n):
                 # Mirror of the FFN side: this transfer used a posted receive; the FFN rank keeps
                 # receives posted while the step has layers left.
-                if layer + 1 < self.num_layers:
+                if layer < self._step_last:
                     self._peer_posted[stage] = n
                 else:
                     self._peer_posted.pop(stage, None)

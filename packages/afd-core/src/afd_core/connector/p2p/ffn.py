@@ -75,6 +75,8 @@ class _FFNSide(_P2PLifecycle):
         except AFDProtocolError as mismatch:
             self._fail(mismatch, "recv_control", None)
         self._control = None if merged.shutdown else merged
+        last = self._step_last
+        self._step_last = self.step_last_layer(merged.is_draft)
         if self._control is None:
             self._ahead_stages = frozenset()
         else:
@@ -82,7 +84,7 @@ class _FFNSide(_P2PLifecycle):
             # notices; only when the counts are the announced ones), then the next step's
             # control receive, so its sender never waits for it.
             if self._counts_fixed:
-                self._post_step_recvs(self._control)
+                self._post_step_recvs(self._control, last)
             self._control_posted = self._post_control_recv()
         return merged
 
@@ -250,8 +252,20 @@ class _FFNSide(_P2PLifecycle):
                 while len(queue) < want:
                     queue.append(self._post_recv(stage, src, n))
 
-    def _post_step_recvs(self, control: AFDControlMessage) -> None:
-        """New step: keep receives left posted when their count holds, post every first one."""
+    def _step_layers(self) -> int:
+        """Layer indices the current step spans (a bound on the receives worth posting)."""
+        draft = self.num_draft_layers
+        return (
+            draft if self._step_last == self.num_layers - 1 and draft else self.num_layers - draft
+        )
+
+    def _post_step_recvs(
+        self, control: AFDControlMessage, previous_last: int | None = None
+    ) -> None:
+        """New step: keep receives left posted when their count holds, post every first one
+        (``previous_last``: the previous step's last layer index, for the error text)."""
+        if previous_last is None:
+            previous_last = self.step_last_layer(False)
         self._after_reply.clear()  # nothing on the wire for these yet
         self._unreplied.clear()
         self._seen.clear()
@@ -267,7 +281,7 @@ class _FFNSide(_P2PLifecycle):
                     AFDProtocolError(
                         f"stage {stage} still has a receive posted for {posted.num_tokens} "
                         f"tokens from world rank {src} (its previous step ended before layer "
-                        f"{self.num_layers - 1}), but the new step announces {n}; end every "
+                        f"{previous_last}), but the new step announces {n}; end every "
                         "step at the last layer or set connector_extra_config.recv_ahead=false"
                     ),
                     "recv_control",
@@ -281,7 +295,7 @@ class _FFNSide(_P2PLifecycle):
         )
         for stage in self._ahead_stages:
             counts = control.stage_token_counts[stage]
-            self._post_ahead(stage, counts, self.num_layers, stage in self._streaming)
+            self._post_ahead(stage, counts, self._step_layers(), stage in self._streaming)
 
     def _recv_posted(self, layer_idx: int, stage: int, counts: tuple[int, ...]) -> list[AFDPayload]:
         """The rows of a transfer whose counts the control message fixed (one FFN rank), from
@@ -312,7 +326,7 @@ class _FFNSide(_P2PLifecycle):
         elif stage in self._seen:
             self._streaming.discard(stage)
         self._seen.add(stage)
-        left = self.num_layers - 1 - layer_idx
+        left = self._step_last - layer_idx
         if left and stage in self._ahead_stages:
             self._schedule_ahead(stage, counts, left)
         self._unreplied.add(stage)

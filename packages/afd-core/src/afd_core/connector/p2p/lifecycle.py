@@ -76,6 +76,7 @@ class _P2PLifecycle(AFDSessionConnector):
         device: torch.device | str | None = None,
         role_agreement: Mapping[str, Any] | None = None,
         model_identity: Mapping[str, Any] | None = None,
+        num_draft_layers: int = 0,
     ) -> None:
         super().__init__(
             config,
@@ -86,6 +87,7 @@ class _P2PLifecycle(AFDSessionConnector):
             device=device,
             role_agreement=role_agreement,
             model_identity=model_identity,
+            num_draft_layers=num_draft_layers,
         )
         self.backend = backend_for_device(self.device)
         self._device_type = self.device.type
@@ -159,6 +161,7 @@ class _P2PLifecycle(AFDSessionConnector):
         self._data_pg: Any = None
         self._announced: tuple[int, ...] | None = None
         self._control: AFDControlMessage | None = None
+        self._step_last = self.step_last_layer(False)  # the current step's last layer index
         self._handles: weakref.WeakSet[AFDTransferHandle] = weakref.WeakSet()
 
     # -- identity ------------------------------------------------------------------------
@@ -272,6 +275,8 @@ class _P2PLifecycle(AFDSessionConnector):
             del pg
         self._announced = None
         self._control = None
+        # The current step's last layer index (draft steps run only the draft layers).
+        self._step_last = self.step_last_layer(False)
         self._buffers.clear()
 
     # -- failure handling ------------------------------------------------------------------

@@ -34,7 +34,10 @@ ahead: the Attention side mirrors the FFN side's rule).
    when its count is not fixed by the control message (F > 1) or with ``check_sequence``, and is
    received ahead on the FFN side (fixed size) in both cases.
 8: tensor-parallel Attention: every TP worker is a peer (``A x T`` Attention world ranks); the
-   handshake's topology is ``[A, F, T]`` and the config agreement carries ``attention_tp_size``."""
+   handshake's topology is ``[A, F, T]`` and the config agreement carries ``attention_tp_size``.
+   Speculative draft layers: the control flag ``is_draft`` (a step of only the last
+   ``num_draft_layers`` layer indices; other steps end before them), ``num_draft_layers`` in the
+   handshake."""
 
 HEADER_WORDS = 3
 """Length (int64 words) of a transfer's header ``(layer, stage, tokens)``."""
