@@ -436,3 +436,22 @@ def test_build_connector_takes_the_draft_layers_as_the_last_indices() -> None:
     with pytest.raises(AFDModelError) as err:
         build_connector(cfg, 0, spec, (1, 2, 3, 4), "cpu", draft_layers=(3,))
     assert err.value.field == "draft_layers"
+
+
+def test_the_drafter_hooked_is_the_one_that_sends_the_draft_layers() -> None:
+    from afd_core.errors import AFDModelError
+    from afd_runtime.workers.base import _afd_drafter_model
+
+    def runner(model: Any) -> SimpleNamespace:
+        return SimpleNamespace(drafter=None if model is None else SimpleNamespace(model=model))
+
+    assert _afd_drafter_model(SimpleNamespace(), (4,)) is None  # no speculative decoding
+    assert _afd_drafter_model(runner(None), (4,)) is None  # n-gram: no draft model
+    dense = torch.nn.Linear(2, 2)  # a dense draft model runs on the Attention role
+    assert _afd_drafter_model(runner(dense), ()) is None
+    mtp = torch.nn.Linear(2, 2)
+    mtp.afd_draft_layer_indices = (4,)  # type: ignore[assignment]
+    assert _afd_drafter_model(runner(mtp), (4,)) is mtp
+    with pytest.raises(AFDModelError) as err:
+        _afd_drafter_model(runner(mtp), (5,))
+    assert (err.value.field, err.value.value) == ("speculative draft model", [4])

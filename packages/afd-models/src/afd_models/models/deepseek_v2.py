@@ -311,6 +311,9 @@ class AFDDeepSeekMTP(upstream_mtp.DeepSeekMTP):
             return
         with construction_override(upstream, "DeepseekV2MoE", AFDAttnDeepseekV2MoE):
             super().__init__(vllm_config=vllm_config, prefix=prefix)
+        # The MoE layers this drafter sends to the FFN role (afd-runtime hooks its forward).
+        layers = self.model.layers.keys()
+        self.afd_draft_layer_indices = tuple(sorted(int(i) for i in layers))
         self._afd_classify = deepseek_draft_classifier(
             afd.compute_gate_on_attention, attention_routes=afd.num_ffn_ranks > 1
         )

@@ -146,14 +146,43 @@ def build_connector(
 
 
 def _afd_drafter_model(model_runner: Any, draft_layers: tuple[int, ...]) -> Any:
-    """The speculative drafter's model when it runs the checkpoint's draft layers (vLLM's MTP
-    proposer: ``model_runner.drafter.model``), else None. A drafter without MoE layers on the
-    FFN role (n-gram, a dense draft model) needs nothing from AFD."""
+    """The speculative drafter's model when it sends the checkpoint's draft layers to the FFN
+    role (an AFD drafter, e.g. afd-models' DeepSeek MTP: ``afd_draft_layer_indices``), else None:
+    a drafter without a model (n-gram) or without MoE layers (a dense draft model) runs here.
+
+    Raises:
+        AFDModelError: the drafter has MoE layers AFD does not serve (its routed experts are
+            not on this role), or other draft layers than the target model's.
+    """
     drafter = getattr(model_runner, "drafter", None)
     model = getattr(drafter, "model", None)
-    if model is None or not draft_layers:
+    if model is None:
         return None
+    layers = tuple(getattr(model, "afd_draft_layer_indices", ()))
+    if not layers:
+        from vllm.model_executor.layers.fused_moe.routed_experts import RoutedExperts
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner_interface import (
+            MoERunnerInterface,
+        )
+
+        moe_types = (RoutedExperts, MoERunnerInterface)
+        if any(isinstance(m, moe_types) for m in model.modules()):
+            raise AFDModelError(
+                "speculative draft model",
+                type(model).__qualname__,
+                "a drafter whose MoE layers AFD serves (DeepSeek MTP: method deepseek_mtp), or "
+                "one without MoE layers",
+                detail="its routed experts would run on the Attention role, which holds none",
+            )
+        return None
+    if layers != tuple(draft_layers):
+        raise AFDModelError(
+            "speculative draft model",
+            list(layers),
+            f"the target model's draft layers {list(draft_layers)}",
+        )
     return model
+
 
 
 def _tp_rank(cfg: AFDConfig) -> int:
