@@ -43,3 +43,20 @@ def test_rows_per_tp_rank_refuses_bad_input() -> None:
         with pytest.raises(AFDPayloadError) as info:
             rows_per_tp_rank(n, t)  # type: ignore[arg-type]
         assert info.value.field == field
+
+
+@pytest.mark.parametrize("t", [1, 2, 3, 4])
+def test_tp_slices_add_up_to_the_tokens(t: int) -> None:
+    """Every TP rank's real rows: the slices cover exactly n (N not divisible by T, N < T,
+    N = 0), none longer than rows_per_tp_rank, so no padding row is ever announced or sent."""
+    from afd_core.collectives import rows_per_tp_rank, tp_slice_rows
+    from afd_core.errors import AFDPayloadError
+
+    for n in range(0, 12):
+        rows = [tp_slice_rows(n, t, r) for r in range(t)]
+        assert sum(rows) == n and all(0 <= x <= rows_per_tp_rank(n, t) for x in rows)
+    assert [tp_slice_rows(1, 2, r) for r in range(2)] == [1, 0]
+    assert [tp_slice_rows(17, 4, r) for r in range(4)] == [5, 5, 5, 2]
+    with pytest.raises(AFDPayloadError) as info:
+        tp_slice_rows(3, t, t)
+    assert info.value.field == "tp_rank"

@@ -97,7 +97,7 @@ def _time_us(fn: Callable[[], object], repeats: int) -> float:
 
 def bench_padding(tokens: int, tp_size: int, hidden: int, repeats: int) -> dict[str, object]:
     x = torch.randn(tokens, hidden)
-    # The last rank: it holds the padding rows whenever there are any.
+    # The last rank: its slice is the short one (it zero-pads its output before the gather).
     lay = plan_routed_dispatch(tokens, tp_rank=tp_size - 1, tp_size=tp_size)
     gathered = torch.randn(lay.padded_tokens, hidden)  # stands in for the collective's result
 

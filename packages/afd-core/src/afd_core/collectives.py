@@ -1,9 +1,10 @@
 """The TP row layout and all-gather shared by the Attention-side helpers (afd-remote, afd-cam)
 and the runtime's step announcement.
 
-:func:`rows_per_tp_rank` is the one rule for how many rows an Attention TP worker sends under
-routed TP padding: afd-remote's layout slices by it and afd-runtime announces it to the FFN ranks,
-so the counts the FFN expects and the rows that arrive cannot disagree.
+:func:`rows_per_tp_rank` and :func:`tp_slice_rows` are the one rule for an Attention TP worker's
+slice under routed TP padding: afd-remote's layout slices by them and afd-runtime announces
+:func:`tp_slice_rows` to the FFN ranks, so the counts the FFN expects and the rows that arrive
+cannot disagree.
 
 Layout code takes a :data:`RowGather` callable instead of a process group, so it can be tested
 without ``torch.distributed``; :func:`torch_row_gather` binds one to a real group (gloo in tests,
@@ -32,6 +33,18 @@ def rows_per_tp_rank(num_tokens: int, tp_size: int) -> int:
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
         raise AFDPayloadError("tp_size", tp_size, "an int >= 1")
     return -(-num_tokens // tp_size)
+
+
+def tp_slice_rows(num_tokens: int, tp_size: int, tp_rank: int) -> int:
+    """The real rows TP worker ``tp_rank`` sends of ``num_tokens`` replicated tokens: its slice
+    ``[r * c, (r + 1) * c)`` (``c = rows_per_tp_rank``) clipped to the tokens. The zero rows
+    that pad the last slices to ``c`` for the all-gather never travel, so the slices of ranks
+    ``0..T-1`` add up to exactly ``num_tokens``."""
+    per_rank = rows_per_tp_rank(num_tokens, tp_size)
+    if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise AFDPayloadError("tp_rank", tp_rank, f"an int in 0..{tp_size - 1}")
+    start = min(num_tokens, tp_rank * per_rank)
+    return min(num_tokens, start + per_rank) - start
 
 
 def torch_row_gather(group: dist.ProcessGroup | None) -> RowGather:

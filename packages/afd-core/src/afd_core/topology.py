@@ -10,8 +10,8 @@ The Attention role runs ``A`` data-parallel ranks of ``T`` tensor-parallel worke
 (``attention_tp_size``). **Every TP worker is a peer of the FFN ranks**, with Attention role rank
 ``dp_rank * T + tp_rank`` (:meth:`AFDTopology.attention_peer`). Why each TP worker and not one
 sender per TP group: under plain TP every worker holds the same tokens, so routed TP padding lets
-worker ``r`` send only its ``1/T`` slice of them (``ceil(N / T)`` rows,
-:func:`afd_core.collectives.rows_per_tp_rank`) and the slices' outputs are all-gathered in TP rank
+worker ``r`` send only its slice of them (at most ``ceil(N / T)`` rows, none of them padding,
+:func:`afd_core.collectives.tp_slice_rows`) and the slices' outputs are all-gathered in TP rank
 order. Each real token reaches the FFN exactly once, the bytes per link fall by ``T``, every
 worker's own link works in parallel (on accelerators each has its own NIC), and no worker waits
 on a broadcast from a sender. The FFN ranks batch all ``P`` peers' rows per ``(layer, stage)``.

@@ -1,17 +1,19 @@
 """Routed TP padding: hand each replicated token to the remote FFN exactly once.
 
 Under plain tensor parallelism every TP rank holds the same ``N`` tokens. If every rank dispatched
-all of them, each token would reach the FFN ``T`` times. Instead the token dimension is zero-padded
-to ``P = ceil(N / T) * T`` rows and rank ``r`` dispatches rows ``[r * P/T, (r + 1) * P/T)``; the
-ranks' FFN outputs are all-gathered in rank order and trimmed back to ``N`` rows.
+all of them, each token would reach the FFN ``T`` times. Instead rank ``r`` dispatches its slice
+``[r * c, (r + 1) * c)`` of the tokens, ``c = ceil(N / T)``, clipped to ``N``: the last ranks send
+fewer rows (possibly none), and no padding row travels. Before the all-gather (which needs equal
+shapes) each rank zero-pads its FFN output to ``c`` rows; the gathered ``T * c`` rows, in rank
+order, are trimmed back to ``N``.
 
 With sequence parallelism (each rank already holds its own shard) or ``T == 1`` the layout passes
 through: the rank dispatches its tensor unchanged and restores nothing.
 
 Invariants (for every ``N >= 0`` and ``T >= 1``):
 
-* the local slices of ranks ``0..T-1`` are disjoint and cover ``[0, P)``, so every real token is
-  dispatched by exactly one rank; zero padding rows (at most ``T - 1``) are dispatched too;
+* the local slices of ranks ``0..T-1`` are disjoint, contiguous, in rank order and cover exactly
+  ``[0, N)``, so every real token is dispatched by exactly one rank and nothing else is;
 * ``restore(FFN(prepare(x)))`` on every rank equals ``FFN(x)`` for a row-wise FFN;
 * every check runs before any collective, so a wrong shape never leaves peers waiting.
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from afd_core.collectives import RowGather, rows_per_tp_rank, torch_row_gather
+from afd_core.collectives import RowGather, rows_per_tp_rank, torch_row_gather, tp_slice_rows
 
 from afd_remote.errors import AFDRemoteError
 
@@ -89,8 +91,11 @@ class RoutedDispatchLayout:
 
     @property
     def local_tokens(self) -> int:
-        """Rows this rank dispatches (and must receive back)."""
-        return self.rows_per_rank
+        """Real rows this rank dispatches (and must receive back): its slice clipped to the
+        parent tokens (:func:`afd_core.collectives.tp_slice_rows`)."""
+        if not self.requires_tp_all_gather:
+            return self.parent_tokens
+        return tp_slice_rows(self.parent_tokens, self.tp_size, self.tp_rank)
 
 
 def plan_routed_dispatch(
@@ -108,11 +113,10 @@ def plan_routed_dispatch(
 def slice_for_dispatch(
     tensor: torch.Tensor, layout: RoutedDispatchLayout, *, field: str = "hidden_states"
 ) -> torch.Tensor:
-    """Zero-pad ``tensor``'s first dim to ``layout.padded_tokens`` and return this rank's rows.
+    """This rank's rows of ``tensor`` (``layout.local_tokens`` of them, a view; no padding).
 
     Applies to every row-aligned payload tensor (hidden states, router logits, top-k ids and
-    weights, input ids) so they stay aligned. Passthrough layouts return ``tensor`` itself; a
-    slice without padding rows is a view; only a slice that reaches into the padding is copied.
+    weights, input ids) so they stay aligned. Passthrough layouts return ``tensor`` itself.
 
     Raises:
         AFDRemoteError: ``tensor`` has no token dim or a row count other than
@@ -122,11 +126,7 @@ def slice_for_dispatch(
     if not layout.requires_tp_all_gather:
         return tensor
     parent = layout.parent_tokens
-    part = tensor[min(layout.local_start, parent) : min(layout.local_stop, parent)]
-    missing = layout.local_tokens - part.shape[0]
-    if missing == 0:
-        return part
-    return torch.cat((part, part.new_zeros((missing, *part.shape[1:]))), dim=0)
+    return tensor[min(layout.local_start, parent) : min(layout.local_stop, parent)]
 
 
 def restore_dispatched_output(
@@ -134,8 +134,9 @@ def restore_dispatched_output(
 ) -> torch.Tensor:
     """Turn this rank's FFN output back into the parent layout.
 
-    Split layouts all-gather the ranks' outputs in rank order and trim the padding; passthrough
-    layouts return ``local_output`` itself (``gather`` may then be None).
+    Split layouts zero-pad the output to ``rows_per_rank`` rows (equal shapes for the
+    collective), all-gather the ranks' outputs in rank order and trim to the parent's rows;
+    passthrough layouts return ``local_output`` itself (``gather`` may then be None).
 
     Raises:
         AFDRemoteError: ``local_output`` does not have ``layout.local_tokens`` rows (checked before
@@ -149,6 +150,10 @@ def restore_dispatched_output(
         raise AFDRemoteError(
             "gather", None, f"a split layout with tp_size={layout.tp_size} needs a TP row gather"
         )
+    missing = layout.rows_per_rank - layout.local_tokens
+    if missing:
+        pad = local_output.new_zeros((missing, *local_output.shape[1:]))
+        local_output = torch.cat((local_output, pad), dim=0)
     gathered = gather(local_output)
     _check_rows("gathered_output", gathered, layout.padded_tokens)
     return gathered[: layout.parent_tokens]

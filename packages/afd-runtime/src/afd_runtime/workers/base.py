@@ -31,7 +31,7 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
-from afd_core.collectives import rows_per_tp_rank
+from afd_core.collectives import rows_per_tp_rank, tp_slice_rows
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import (
     AFDConnectorBase,
@@ -184,7 +184,6 @@ def _afd_drafter_model(model_runner: Any, draft_layers: tuple[int, ...]) -> Any:
     return model
 
 
-
 def _tp_rank(cfg: AFDConfig) -> int:
     """This Attention worker's rank in vLLM's TP group (0 without tensor parallelism)."""
     if cfg.attention_tp_size == 1:
@@ -211,14 +210,15 @@ def install_step_hook(
     tp_size: int = 1,
     *,
     draft: bool = False,
+    tp_rank: int = 0,
 ) -> None:
     """Wrap ``model.forward``: announce the step, install the AFD forward metadata, run.
 
-    With ``tp_size`` T > 1 (this worker is one of T Attention TP workers holding the same
-    tokens), each stage's announced count is this worker's routed-TP slice,
-    :func:`afd_core.collectives.rows_per_tp_rank` of the stage's tokens: the rows its MoE layers
-    send (afd-remote's routed TP padding slices by the same rule). ``afd_step_tokens`` counts the
-    rows announced.
+    With ``tp_size`` T > 1 (this worker, ``tp_rank``, is one of T Attention TP workers holding
+    the same tokens), each stage's announced count is this worker's routed-TP slice,
+    :func:`afd_core.collectives.tp_slice_rows` of the stage's tokens: the real rows its MoE
+    layers send (afd-remote's routed TP padding slices by the same rule), so the workers'
+    counts add up to the stage's tokens. ``afd_step_tokens`` counts the rows announced.
 
     ``draft``: ``model`` is a speculative drafter (DeepSeek's MTP model): every forward is a
     step announced ``is_draft`` (the FFN ranks run only the draft layers for it).
@@ -248,7 +248,7 @@ def install_step_hook(
         with link.step() as connector:
             if parent is not None:
                 counts = stage_token_counts(parent)
-                rows = tuple(rows_per_tp_rank(c, tp_size) for c in counts)
+                rows = tuple(tp_slice_rows(c, tp_size, tp_rank) for c in counts)
                 if announce:
                     connector.send_control(
                         AFDControlMessage(tuple((c,) for c in rows), is_draft=draft)
@@ -258,7 +258,7 @@ def install_step_hook(
                 call = dict(zip(_FORWARD_ARGS, args, strict=False)) | kwargs
                 return run_stages(inner, parent, connector, call, timeout_s, vllm_config)
             counts = (n, *empty_tail)
-            rows = (rows_per_tp_rank(n, tp_size), *empty_tail)
+            rows = (tp_slice_rows(n, tp_size, tp_rank), *empty_tail)
             if announce:
                 connector.send_control(AFDControlMessage(tuple((c,) for c in rows), is_draft=draft))
             steps.inc()
@@ -345,8 +345,15 @@ class AFDAttentionWorkerMixin:
         self._afd_link = link
         stage_hooks.install()  # the AFD layers' stage, yield and metadata come from here
         install_stage_split(self.model_runner, cfg.num_stages)
+        tp_rank = _tp_rank(cfg)
         install_step_hook(
-            model, link, cfg.num_stages, cfg.timeout_s, self.vllm_config, cfg.attention_tp_size
+            model,
+            link,
+            cfg.num_stages,
+            cfg.timeout_s,
+            self.vllm_config,
+            cfg.attention_tp_size,
+            tp_rank=tp_rank,
         )
         if drafter is not None:
             # Speculative decoding with the checkpoint's MTP layer: each drafter forward is an
@@ -359,6 +366,7 @@ class AFDAttentionWorkerMixin:
                 self.vllm_config,
                 cfg.attention_tp_size,
                 draft=True,
+                tp_rank=tp_rank,
             )
         logger.info("AFD Attention rank %d connected through connector %r", rank, connector.name)
 
