@@ -346,15 +346,6 @@ def test_the_ffn_batched_its_attention_ranks_per_metrics(deployment: Deployment)
             assert all(0 < n <= s.steps for n in per_layer.values()), s
 
 
-def _counter(text: str, name: str) -> float:
-    """Sum of a Prometheus counter's samples in a ``/metrics`` text (every label set)."""
-    total = 0.0
-    for line in text.splitlines():
-        if line.split("{", 1)[0].split(" ", 1)[0] == name:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 @pytest.mark.timeout(1800)
 def test_every_real_token_reaches_the_ffn_once_under_tp(deployment: Deployment) -> None:
     """Tensor-parallel Attention, one FFN rank: one request whose prompt is not a multiple of
@@ -362,22 +353,22 @@ def test_every_real_token_reaches_the_ffn_once_under_tp(deployment: Deployment) 
     workers (N = 1 < 2). Counted on the FFN side from its metrics, the rows it computed in every
     MoE layer equal the tokens vLLM's own counters say the Attention role ran (prompt tokens plus
     generated tokens fed back): each real token once, no padding row."""
-    from afd_models.demo.servers import parse_ffn_stats
+    from afd_models.demo.servers import parse_ffn_stats, sample_total
 
     case = deployment.case
     if case.tp == 1 or case.num_ffn_ranks > 1:
         pytest.skip("tensor-parallel Attention with one FFN rank only")
     attention_text, (ffn_text,) = _idle_metrics(deployment)
     before = parse_ffn_stats(ffn_text)[0]
-    prompt_before = _counter(attention_text, "vllm:prompt_tokens_total")
-    generated_before = _counter(attention_text, "vllm:generation_tokens_total")
+    prompt_before = sample_total(attention_text, "vllm:prompt_tokens_total")
+    generated_before = sample_total(attention_text, "vllm:generation_tokens_total")
     result = complete_many(
         deployment.attention.base_url, ("Counting tokens once: seven",), max_tokens=5
     )
     attention_text, (ffn_text,) = _idle_metrics(deployment)
     after = parse_ffn_stats(ffn_text)[0]
-    prompt = _counter(attention_text, "vllm:prompt_tokens_total") - prompt_before
-    generated = _counter(attention_text, "vllm:generation_tokens_total") - generated_before
+    prompt = sample_total(attention_text, "vllm:prompt_tokens_total") - prompt_before
+    generated = sample_total(attention_text, "vllm:generation_tokens_total") - generated_before
     assert prompt % case.tp == 1 and generated == len(result.completions[0].token_ids) > 1
     fed = prompt + generated - 1  # the last generated token is never fed back
     assert after.tokens - before.tokens == after.layers * fed, (before, after, prompt, generated)

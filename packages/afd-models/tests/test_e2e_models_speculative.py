@@ -37,6 +37,7 @@ from afd_models.demo.servers import (
     parse_ffn_stats,
     parse_param_bytes,
     plain_server,
+    sample_total,
     stop_all,
     wait_until_healthy,
 )
@@ -64,12 +65,7 @@ class Run:
 
 
 def _spec_counters(text: str) -> dict[str, float]:
-    out = dict.fromkeys(SPEC_COUNTERS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in out:
-            out[name] += float(line.rsplit(" ", 1)[1])
-    return out
+    return {name: sample_total(text, name) for name in SPEC_COUNTERS}
 
 
 @pytest.fixture(scope="module")

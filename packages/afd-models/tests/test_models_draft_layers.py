@@ -56,12 +56,7 @@ def test_draft_layer_experts_go_to_the_ffn_and_nothing_else_of_it_to_the_target(
     owners = {n: (n in ffn) + (n in attention_drafter) for n in draft_names}
     assert set(owners.values()) == {1}, owners
     # Bytes per role: the draft layer's experts weigh on the FFN role only.
-    expert_bytes = _bytes(experts)
-    assert (
-        expert_bytes
-        == 3 * CFG["n_routed_experts"] * 4 * CFG["hidden_size"] * CFG["moe_intermediate_size"]
-    )
-    assert _bytes([n for n in ffn if n.startswith(DRAFT)]) >= expert_bytes
+    assert _bytes([n for n in ffn if n.startswith(DRAFT)]) >= _bytes(experts) > 0
     assert _bytes(attention_target) + _bytes(attention_drafter) + _bytes(ffn) == _bytes(
         list(SHAPES)
     )

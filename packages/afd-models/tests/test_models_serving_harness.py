@@ -36,6 +36,7 @@ from afd_models.demo.servers import (  # noqa: E402
     parse_quant_error,
     parse_quantized,
     process_tree_rss,
+    sample_total,
     wait_until_healthy,
 )
 
@@ -786,3 +787,18 @@ def test_parity_options_pick_the_reference_cpu_mla_backend_on_vllm_cpu(
     assert parity_options(ds, mine).extra_args == ("--attention-backend", "TRITON_MLA")
     monkeypatch.setattr(servers, "_vllm_cpu_build", lambda: False)
     assert "--attention-backend" not in parity_options(ds, opts).args()
+
+
+def test_sample_total_sums_a_counter_over_its_label_sets() -> None:
+    text = (
+        "# HELP vllm:prompt_tokens Prompt tokens.\n"
+        "# TYPE vllm:prompt_tokens counter\n"
+        'vllm:prompt_tokens_total{engine="0",model_name="m"} 11.0\n'
+        'vllm:prompt_tokens_total{engine="1",model_name="m"} 4.0\n'
+        'vllm:prompt_tokens_created{engine="0",model_name="m"} 1.7e9\n'
+        "# HELP vllm:prompt_tokens_cached Cached prompt tokens.\n"
+        "# TYPE vllm:prompt_tokens_cached counter\n"
+        'vllm:prompt_tokens_cached_total{engine="0"} 100.0\n'
+    )
+    assert sample_total(text, "vllm:prompt_tokens_total") == 15.0
+    assert sample_total(text, "vllm:generation_tokens_total") == 0.0

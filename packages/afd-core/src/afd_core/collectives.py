@@ -25,9 +25,10 @@ RowGather = Callable[[torch.Tensor], torch.Tensor]
 
 
 def rows_per_tp_rank(num_tokens: int, tp_size: int) -> int:
-    """Rows each of ``tp_size`` TP workers sends for ``num_tokens`` replicated tokens under
-    routed TP padding: ``ceil(num_tokens / tp_size)`` (``num_tokens`` itself when
-    ``tp_size == 1``; 0 for 0). The last workers' slices are completed with zero rows."""
+    """The slice length of each of ``tp_size`` TP workers for ``num_tokens`` replicated tokens
+    under routed TP padding: ``ceil(num_tokens / tp_size)`` (``num_tokens`` itself when
+    ``tp_size == 1``; 0 for 0). The rows a worker actually sends are :func:`tp_slice_rows`; the
+    all-gather pads every worker's output to this length locally."""
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 0:
         raise AFDPayloadError("num_tokens", num_tokens, "an int >= 0")
     if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:

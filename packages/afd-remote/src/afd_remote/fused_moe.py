@@ -153,7 +153,8 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
 
         The placement is ``connector.topology.expert_map(num_experts)``, the one the FFN ranks
         load their experts by. With routed TP padding this TP rank dispatches only its slice of
-        the replicated tokens; :meth:`receive` combines the slice's partial outputs, then all-gathers the slices in TP rank order.
+        the replicated tokens; :meth:`receive` combines the slice's partial outputs, then
+        all-gathers the slices in TP rank order.
 
         Raises:
             AFDContextError: no AFD forward metadata is installed.

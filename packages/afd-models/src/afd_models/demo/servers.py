@@ -230,8 +230,9 @@ def afd_role_args(
     plus ``--data-parallel-size A --api-server-count 1`` for the Attention role when ``A > 1``
     (one Attention engine core per rank behind one API server, all connected to the FFN role on
     ``afd_port``), and ``--tensor-parallel-size T`` for the Attention role when ``extra`` sets
-    ``attention_tp_size`` T > 1 (both roles get the field; every TP worker is an FFN peer). An FFN role server is one FFN rank (``ffn_rank``, see :func:`afd_config`);
-    ``ffn_extra`` reaches the FFN role's mapping only.
+    ``attention_tp_size`` T > 1 (both roles get the field; every TP worker is an FFN peer). An
+    FFN role server is one FFN rank (``ffn_rank``, see :func:`afd_config`); ``ffn_extra``
+    reaches the FFN role's mapping only.
     """
     cfg = afd_config(
         role,
@@ -772,18 +773,30 @@ def afd_servers(
 MetricSamples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
-def afd_samples(metrics_text: str) -> MetricSamples:
-    """The ``afd_*`` samples of a ``/metrics`` text (Prometheus text format, parsed with
-    prometheus_client's parser)."""
+def metric_samples(metrics_text: str, prefix: str) -> MetricSamples:
+    """The samples of the metric families named ``prefix...`` in a ``/metrics`` text (Prometheus
+    text format, parsed with prometheus_client's parser)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: MetricSamples = {}
     for family in text_string_to_metric_families(metrics_text):
-        if not family.name.startswith("afd_"):
+        if not family.name.startswith(prefix):
             continue
         for sample in family.samples:
             out[(sample.name, frozenset(sample.labels.items()))] = float(sample.value)
     return out
+
+
+def afd_samples(metrics_text: str) -> MetricSamples:
+    """The ``afd_*`` samples of a ``/metrics`` text (see :func:`metric_samples`)."""
+    return metric_samples(metrics_text, "afd_")
+
+
+def sample_total(metrics_text: str, name: str) -> float:
+    """The sum over every label set of the samples named ``name`` (e.g. vLLM's
+    ``vllm:prompt_tokens_total``) in a ``/metrics`` text; 0.0 when there is none."""
+    samples = metric_samples(metrics_text, name.removesuffix("_total"))
+    return sum(v for (sample, _), v in samples.items() if sample == name)
 
 
 def _series(samples: MetricSamples, name: str, **match: str) -> list[tuple[dict[str, str], float]]:

@@ -17,8 +17,8 @@ of the step failed) drops the transfer unreceived.
 
 Tensor-parallel Attention (``--tensor-parallel-size`` T > 1): every TP worker holds the same
 tokens, so each proxy gets afd-remote's routed TP padding bound to vLLM's TP group (worker ``r``
-sends rows ``[r * ceil(N/T), (r + 1) * ceil(N/T))`` clipped to ``N``, the outputs are all-gathered in TP rank
-order) and every real token reaches the FFN role exactly once.
+sends rows ``[r * ceil(N/T), (r + 1) * ceil(N/T))`` clipped to ``N``, the outputs are
+all-gathered in TP rank order) and every real token reaches the FFN role exactly once.
 
 Invariants: never mutates or aliases its inputs; one parameter-free proxy per (layer, gate side).
 """

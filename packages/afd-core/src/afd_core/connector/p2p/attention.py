@@ -89,8 +89,9 @@ class _AttentionSide(_P2PLifecycle):
         Mirrors the FFN side's receive-ahead rule (see :mod:`afd_core.connector.p2p.recv_ahead` and
         :meth:`_window`): the FFN rank has receives posted for stage ``s`` when the previous
         step's last transfer of ``s`` carried tokens, was not of the step's last layer
-        (:meth:`step_last_layer`) and had a window of at least one receive. Sending another count there would make
-        gloo abort the FFN process, so this raises (and tears down) before anything is sent.
+        (:meth:`step_last_layer`) and had a window of at least one receive. Sending another
+        count there would make gloo abort the FFN process, so this raises (and tears down)
+        before anything is sent.
         """
         for stage, n_posted in self._peer_posted.items():
             n = announced[stage] if stage < len(announced) else None

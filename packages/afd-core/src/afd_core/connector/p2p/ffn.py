@@ -252,13 +252,6 @@ class _FFNSide(_P2PLifecycle):
                 while len(queue) < want:
                     queue.append(self._post_recv(stage, src, n))
 
-    def _step_layers(self) -> int:
-        """Layer indices the current step spans (a bound on the receives worth posting)."""
-        draft = self.num_draft_layers
-        return (
-            draft if self._step_last == self.num_layers - 1 and draft else self.num_layers - draft
-        )
-
     def _post_step_recvs(
         self, control: AFDControlMessage, previous_last: int | None = None
     ) -> None:
@@ -293,9 +286,12 @@ class _FFNSide(_P2PLifecycle):
             for stage, counts in enumerate(control.stage_token_counts)
             if any(self._window(n) for n in counts)
         )
+        # Layer indices the step spans: a bound on the receives worth posting.
+        draft = self.num_draft_layers
+        span = draft if control.is_draft else self.num_layers - draft
         for stage in self._ahead_stages:
             counts = control.stage_token_counts[stage]
-            self._post_ahead(stage, counts, self._step_layers(), stage in self._streaming)
+            self._post_ahead(stage, counts, span, stage in self._streaming)
 
     def _recv_posted(self, layer_idx: int, stage: int, counts: tuple[int, ...]) -> list[AFDPayload]:
         """The rows of a transfer whose counts the control message fixed (one FFN rank), from
