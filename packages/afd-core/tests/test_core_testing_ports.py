@@ -28,10 +28,25 @@ def test_no_port_is_handed_out_twice_in_a_process() -> None:
         seen.add(port)
 
 
-def test_a_port_in_use_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as busy:
+def _busy_port_before_a_free_one() -> socket.socket:
+    """A listening socket on a port whose successor was free a moment ago (the OS hands out
+    ports in its ephemeral range, where another socket may already hold the successor)."""
+    for _ in range(50):
+        busy = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         busy.bind(("127.0.0.1", 0))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", busy.getsockname()[1] + 1))
+            except OSError:
+                busy.close()
+                continue
         busy.listen()
+        return busy
+    raise AssertionError("no port with a free successor found in 50 tries")
+
+
+def test_a_port_in_use_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    with _busy_port_before_a_free_one() as busy:
         taken = busy.getsockname()[1]
         # A window of two ports, one of them taken: the other one comes back.
         monkeypatch.setattr(testing, "_candidate_window", lambda low, high: range(taken, taken + 2))
