@@ -232,6 +232,7 @@ def test_uninitialized_and_wrong_role_raise_before_io() -> None:
         ffn.recv_control()
     assert ffn.served_world_ranks == (0,)
     assert ffn.world_rank == 1 and attn.world_rank == 0
+    assert not ffn.announce_leave()  # nobody to tell before init (no store touched)
     attn.close()  # never initialised: still fine
     assert not attn.is_initialized
 

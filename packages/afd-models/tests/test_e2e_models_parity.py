@@ -385,7 +385,8 @@ def test_sigterm_stops_both_roles(deployment: Deployment) -> None:
     case = deployment.case
     ffn_first = case.family == "qwen3_moe" and case.num_attention_ranks == 2
     order = [*deployment.ffns, deployment.attention]
-    results = stop_all(order if ffn_first else order[::-1], timeout_s=2 * STOP_BOUND_S)
-    for r in results:
-        assert r.exit_code == 0 and not r.forced, r
+    stopped = order if ffn_first else order[::-1]
+    results = stop_all(stopped, timeout_s=2 * STOP_BOUND_S)
+    for server, r in zip(stopped, results, strict=True):
+        assert r.exit_code == 0 and not r.forced, (r, server.log_tail(60))
         assert r.elapsed_s <= STOP_BOUND_S, r

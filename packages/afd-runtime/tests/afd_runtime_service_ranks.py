@@ -437,3 +437,49 @@ def draft_attention_main(port: int, q: Any) -> None:
     conn.send_control(AFDControlMessage.shutdown_message())
     conn.close()
     q.put(("attention", all(results), len(results)))
+
+
+#: Steps served before the FFN rank stops while its Attention rank stays up (the FFN-first stop).
+LEAVE_STEPS = (4, 2)
+
+
+def leaving_ffn_main(port: int, q: Any) -> None:
+    """An FFN service serves LEAVE_STEPS, then idles in ``recv_control`` and is stopped while
+    its Attention rank stays up; ``stop()`` must return with the service thread ended (ended
+    by the Attention rank closing after this rank's goodbye), without an error. Reports how
+    long ``stop()`` took; the process then exits (its exit code is the test's other check)."""
+    cfg = config("ffn", port, connector="p2p")
+    svc = FFNService(
+        cfg, 0, LAYERS, lambda layer, hidden, logits: hidden * 2, lambda: connector(cfg, 0)
+    )
+    svc.start()
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and svc.stats.steps < len(LEAVE_STEPS) and not svc.failed:
+        time.sleep(0.05)
+    time.sleep(0.5)  # idle: blocked in the next recv_control
+    t0 = time.monotonic()
+    svc.stop()
+    stopped_in = time.monotonic() - t0
+    q.put(("ffn", svc.stats.steps, svc.wait(0.0), svc.failed, stopped_in))
+
+
+def staying_attention_main(port: int, q: Any) -> None:
+    """The Attention side of :func:`leaving_ffn_main`: steps through an AttentionLink, then
+    stays up until its link reports the FFN rank gone (the supervisor closed the connector)."""
+    from afd_runtime.attention_link import AttentionLink
+
+    cfg = config("attention", port, connector="p2p")
+    link = AttentionLink(connector(cfg, 0))
+    link.connect()
+    for step, n in enumerate(LEAVE_STEPS):
+        with link.step() as conn:
+            conn.send_control(AFDControlMessage(((n,),)))
+            for layer in LAYERS:
+                meta = AFDTransferMetadata(layer, 0, (n,))
+                conn.recv_combine(conn.send_dispatch([AFDPayload(_hidden(n, 0, step))], meta))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and link.health() is None:
+        time.sleep(0.05)
+    down = link.health()
+    link.close()
+    q.put(("attention", down, None, None, None))

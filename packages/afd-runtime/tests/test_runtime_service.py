@@ -284,3 +284,40 @@ def test_draft_layers_must_be_served_layers() -> None:
     with pytest.raises(AFDModelError) as info:
         FFNService(cfg, 0, (1, 3), lambda *a: a[1], lambda: None, draft_layer_indices=(4,))
     assert info.value.field == "draft_layer_indices"
+
+
+@pytest.mark.timeout(240)
+def test_an_idle_ffn_stopped_first_ends_its_service_thread_and_exits_zero() -> None:
+    """The FFN rank stops while its Attention rank stays up (P2P, separate processes): its
+    service thread, blocked in ``recv_control``, ends inside ``stop()`` (the Attention rank
+    closes after the FFN's goodbye) without an error, the Attention link reports the FFN rank
+    gone, and the FFN process exits 0. Before, the thread stayed blocked and the transport
+    woke it while the interpreter finalized: ``terminate called``, exit code -6, seen in CI."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=ranks.leaving_ffn_main, args=(port, q)),
+        ctx.Process(target=ranks.staying_attention_main, args=(port, q)),
+    ]
+    out = {}
+    try:
+        for p in procs:
+            p.start()
+        for _ in range(2):
+            name, *rest = q.get(timeout=200)
+            out[name] = rest
+        for p in procs:
+            p.join(30)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    steps, ended, failed, stopped_in = out["ffn"]
+    assert (steps, ended, failed) == (len(ranks.LEAVE_STEPS), True, False)
+    assert stopped_in < 6.0  # about two heartbeats, not FFN_LEAVE_JOIN_S
+    down = out["attention"][0]
+    assert down is not None and "goodbye" in down, down
+    assert [p.exitcode for p in procs] == [0, 0]

@@ -43,9 +43,11 @@ Lifecycle and failures:
   with this rank's error text, and then re-raised by :meth:`FFNService.raise_if_failed`.
 * A startup cancelled by SIGTERM/SIGINT (:class:`afd_core.errors.AFDCancelledError`, see
   :mod:`afd_runtime.signals`) ends the loop without an error.
-* :meth:`FFNService.stop` is idempotent; a thread blocked waiting for an idle peer cannot be
-  interrupted (the transport offers no cancellation): it is a daemon thread and ends with the
-  process.
+* :meth:`FFNService.stop` is idempotent. The transport cannot cancel a wait, so a thread
+  blocked waiting for the next control message is ended by the peers: the rank announces its
+  leave, the Attention ranks close their side within about two heartbeats, and the wait ends
+  as a lost peer (bounded by :data:`FFN_LEAVE_JOIN_S`; past it, e.g. with an Attention role
+  that is gone without closing, the daemon thread ends with the process).
 """
 
 from __future__ import annotations
@@ -80,6 +82,9 @@ logger = logging.getLogger(__name__)
 CONNECT_RETRY_S = 1.0
 #: How long :meth:`FFNService.stop` waits for a step in progress to finish.
 FFN_STOP_JOIN_S = 5.0
+#: How long :meth:`FFNService.stop` waits for the Attention ranks to end an idle wait after this
+#: rank's goodbye (their watchers look every second, their supervisors every second).
+FFN_LEAVE_JOIN_S = 6.0
 
 ConnectorFactory = Callable[[], AFDConnectorBase]
 
@@ -209,15 +214,32 @@ class FFNService:
         self._thread.start()
 
     def stop(self) -> None:
-        """Ask the thread to stop and wait for a step in progress (idempotent).
+        """Ask the thread to stop and wait for it (idempotent; see the module docstring).
 
-        A thread waiting for an idle peer is not waited for (see the module docstring)."""
+        A step in progress is waited for up to :data:`FFN_STOP_JOIN_S`; a thread blocked
+        waiting for the next control message is ended by its peers: this rank announces its
+        leave (:meth:`~afd_core.connector.AFDConnectorBase.announce_leave`), the Attention
+        ranks close their side, the wait ends as a lost peer, and the thread closes its
+        connector, all before the process exits (a thread woken inside the transport while
+        the interpreter finalizes aborts the process)."""
         if self._stop.is_set():
             return
         self._stop.set()
         t = self._thread
-        if t is not None and not self._idle.is_set():
+        if t is None:
+            return
+        connector = self._connector
+        if not self._idle.is_set():
             t.join(FFN_STOP_JOIN_S)
+        elif connector is not None and connector.announce_leave():
+            t.join(FFN_LEAVE_JOIN_S)
+            if t.is_alive():
+                logger.warning(
+                    "AFD FFN rank %d: the Attention ranks did not end this rank's wait within "
+                    "%.0fs of its goodbye; stopping without it",
+                    self.ffn_rank,
+                    FFN_LEAVE_JOIN_S,
+                )
 
     def wait(self, timeout_s: float) -> bool:
         """Block up to ``timeout_s``; True once the thread has ended (failed or stopped)."""
@@ -342,7 +364,12 @@ class FFNService:
             except AFDProtocolError:
                 raise
             except (AFDPeerError, AFDTimeoutError) as exc:
-                logger.warning("AFD FFN rank %d lost its Attention peers: %s", self.ffn_rank, exc)
+                if self._stop.is_set():  # the peers closed after this rank's goodbye (stop)
+                    logger.info("AFD FFN rank %d left its Attention peers", self.ffn_rank)
+                else:
+                    logger.warning(
+                        "AFD FFN rank %d lost its Attention peers: %s", self.ffn_rank, exc
+                    )
                 return
             finally:
                 self._idle.clear()

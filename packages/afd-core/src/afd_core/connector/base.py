@@ -295,6 +295,16 @@ class AFDConnectorBase(ABC):
     def is_initialized(self) -> bool:
         """True between a successful ``init`` and ``close``."""
 
+    def announce_leave(self) -> bool:
+        """Tell the peers that this rank leaves cleanly, without closing anything yet.
+
+        For a rank stopping while another of its threads is blocked in a wait only the peers
+        can end (an idle FFN rank in ``recv_control``): the peers learn of the leave, close
+        their side, and that wait ends with a lost peer; the blocked thread then closes. Safe
+        from any thread; never raises; True when the peers were told. The default (a
+        connector that cannot tell them) tells nobody and returns False."""
+        return False
+
     def abort(self, op: str, reason: str) -> None:
         """Fail this rank on purpose: tell the peers why, then :meth:`close`. Never raises.
 

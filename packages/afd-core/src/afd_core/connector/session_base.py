@@ -255,6 +255,16 @@ class AFDSessionConnector(AFDConnectorBase):
         self._close_transport()
         self._opened = self._initialized = False
 
+    def announce_leave(self) -> bool:
+        """Say this rank's goodbye on the session now and stop its heartbeat (the peers'
+        watchers report the leave at their next look); the transport stays open until
+        :meth:`close`. False before ``init``, after a failure or once closed."""
+        session = self._session
+        if session is None or not self._initialized or self._failure is not None:
+            return False
+        session.close(goodbye=True)
+        return True
+
     def abort(self, op: str, reason: str) -> None:
         """Publish this rank's failure (``op``, ``reason``), then close without a goodbye: the
         peers' waits fail at once naming this rank and ``reason``."""
