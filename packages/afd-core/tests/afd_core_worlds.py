@@ -1093,3 +1093,47 @@ def draft_steps_rank(rank: int, port: int) -> dict[str, Any]:
         conn.recv_control()
     conn.close()
     return {"exact": exact}
+
+
+def survivor_rank(rank: int, port: int) -> dict[str, Any]:
+    """1:2 expert-parallel world (timeout_s 60): FFN rank 0 SIGKILLs itself after the control
+    message of step 1. The Attention rank's wait fails, it keeps the failure (as the Attention
+    link does until it reconnects), closes and stays up. The surviving FFN rank, waiting for
+    layer 1's dispatch, reports what it raised and after how long."""
+    topo = AFDTopology(1, 2)
+    role, role_rank = topo.role_of(rank)
+    ffn_rank = role_rank if role is AFDRole.FFN else 0
+    cfg = _config(
+        role, port, 1, 2, timeout_s=60.0, compute_gate_on_attention=True, ffn_rank=ffn_rank
+    )
+    spec = spec_for("hidden_bf16_logits")
+    conn = P2PConnector(cfg, topo, role_rank, payload_spec=spec, num_layers=NUM_LAYERS)
+    conn.init()
+    kept: list[BaseException] = []
+    started = time.monotonic()
+    try:
+        for step in range(3):
+            if role is AFDRole.ATTENTION:
+                conn.send_control(AFDControlMessage(((4,),)))
+                for layer in range(NUM_LAYERS):
+                    parts = [make_payload(spec, 0, step, layer, 0, 0, 2) for _ in range(2)]
+                    meta = AFDTransferMetadata(layer, 0, (2, 2))
+                    conn.recv_combine(conn.send_dispatch(parts, meta))
+            else:
+                conn.recv_control()
+                if step == 1 and role_rank == 0:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                started = time.monotonic()
+                for layer in range(NUM_LAYERS):
+                    meta, payloads = conn.recv_dispatch(layer, 0)
+                    conn.send_combine([ffn_reply(p, layer) for p in payloads], meta)
+    except AFDError as err:
+        result = _err(err)
+        result["elapsed"] = time.monotonic() - started
+        kept.append(err)
+        conn.close()
+        if role is AFDRole.ATTENTION:
+            time.sleep(15.0)  # up, holding its failure, while the survivor waits on it
+        return result
+    conn.close()
+    return {"type": None}

@@ -204,6 +204,20 @@ def test_peer_killed_mid_transfer_every_survivor_raises() -> None:
     assert idle[1]["initialized_after"] is False
 
 
+@pytest.mark.timeout(120)
+def test_a_survivor_fails_at_once_when_the_attention_rank_closes_after_a_loss() -> None:
+    """1:2: FFN rank 0 dies mid-step; the Attention rank fails, keeps its failure and closes
+    (its connections close with it: the failed operation's frames no longer hold them); the
+    other FFN rank, waiting for the next layer, fails naming the Attention rank's failure at
+    once, not after timeout_s (60 s; it waited that long before)."""
+    results = run_world(worlds.survivor_rank, 3, free_port(), timeout_s=100)
+    assert results[1] == ("exit", -9), results[1]
+    attention, survivor = ok({0: results[0], 2: results[2]}).values()
+    assert attention["type"] == "AFDPeerError" and attention["rank"] == 1, attention
+    assert survivor["type"] == "AFDPeerError" and survivor["rank"] == 0, survivor
+    assert survivor["elapsed"] < 10.0, survivor  # the Attention rank stays up 15 s
+
+
 def spec() -> AFDPayloadSpec:
     return AFDPayloadSpec(hidden_size=4, dtype=torch.float32)
 

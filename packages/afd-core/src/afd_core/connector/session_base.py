@@ -23,6 +23,7 @@ A transport implements:
 from __future__ import annotations
 
 import time
+import traceback
 from abc import abstractmethod
 from collections.abc import Mapping
 from typing import Any, ClassVar, NoReturn
@@ -245,8 +246,15 @@ class AFDSessionConnector(AFDConnectorBase):
 
     def close(self) -> None:
         """Say goodbye to the peers (a clean leave: initialised, no failure recorded), release
-        the transport; idempotent."""
+        the transport; idempotent.
+
+        Also drops the local variables of the finished frames in the recorded failure's
+        traceback chain (its text and stack stay): a failed operation's frames hold the
+        transport's pending requests, and through them its connections, which would stay open
+        as long as anything keeps the failure (the Attention link does, until it reconnects),
+        so a peer blocked on this rank would wait out ``timeout_s`` instead of failing at once."""
         self._shutdown(goodbye=self._initialized and self._failure is None)
+        _release_frames(self._failure)
 
     def _shutdown(self, *, goodbye: bool) -> None:
         session, self._session = self._session, None
@@ -356,3 +364,17 @@ class AFDSessionConnector(AFDConnectorBase):
             )
         except Exception:
             return False
+
+
+def _release_frames(exc: BaseException | None) -> None:
+    """Clear the finished frames of ``exc``'s traceback and of its causes' and contexts'
+    (:func:`traceback.clear_frames` skips frames still executing)."""
+    seen: set[int] = set()
+    pending = [exc]
+    while pending:
+        e = pending.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        pending += [e.__cause__, e.__context__]
