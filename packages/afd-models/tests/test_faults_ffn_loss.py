@@ -20,107 +20,36 @@ back.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import threading
+import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm")
 pytest.importorskip("requests")
 
-import requests
 from afd_models.demo.client import complete, served_model_id
-from afd_models.demo.servers import (
-    EngineOptions,
-    VLLMServer,
-    afd_servers,
-    stop_all,
-    wait_until_healthy,
-)
+from afd_models.demo.servers import EngineOptions, afd_servers, stop_all, wait_until_healthy
 from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
 
+sys.path.insert(0, str(Path(__file__).parent))
+from afd_models_ffn_loss import (
+    GRACE_S,
+    IDLE_DETECT_BOUND_S,
+    LONG_TOKENS,
+    TIMEOUT_S,
+    UNAVAILABLE,
+    hold_metric,
+    in_thread,
+    post,
+    restart,
+    tokens,
+    wait_health,
+)
+
 pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
-
-TIMEOUT_S = 30.0  # the AFD config's timeout_s (every wait inside a step)
-GRACE_S = 60.0  # AFDConfig.ffn_loss_grace_s's default (the deployment does not set it)
-LONG_TOKENS = 400  # long enough to still be generating when the FFN dies
-UNAVAILABLE = "AFD FFN role unavailable"
-#: The Attention role notices an idle FFN's death by its heartbeat: 10 s without a beat
-#: (afd_core.session.liveness.LIVENESS_TIMEOUT_S) plus a poll; generous for a loaded 2-core host.
-IDLE_DETECT_BOUND_S = 40.0
-
-
-def _post(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str, float]:
-    payload: dict[str, Any] = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
-    t0 = time.monotonic()
-    resp = requests.post(f"{base_url}/v1/completions", json=payload, timeout=600)
-    return resp.status_code, resp.text, time.monotonic() - t0
-
-
-def _health(server: VLLMServer) -> int:
-    try:
-        return int(requests.get(f"{server.base_url}/health", timeout=10).status_code)
-    except requests.RequestException:
-        return -1
-
-
-def _wait_health(server: VLLMServer, status: int, bound_s: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < bound_s:
-        server.check_alive()
-        if _health(server) == status:
-            return time.monotonic() - t0
-        time.sleep(0.5)
-    raise AssertionError(f"{server.name} /health never answered {status} within {bound_s:.0f}s")
-
-
-def _tokens(server: VLLMServer, model: str) -> list[tuple[int, ...]]:
-    return [
-        complete(server.base_url, p, model=model, max_tokens=16).token_ids for p in DEMO_PROMPTS
-    ]
-
-
-def _restart(first: VLLMServer, n: int) -> VLLMServer:
-    """A new server with ``first``'s command (the same FFN rank), logging to its own file."""
-    log = first.config.log_path.with_name(f"{first.config.log_path.stem}-restart{n}.log")
-    again = VLLMServer(dataclasses.replace(first.config, log_path=log), first._progress)
-    again.start()
-    return again
-
-
-def _hold_metric(server: VLLMServer, name: str) -> float:
-    """An Attention rank 0 ``afd_*`` hold series from the server's ``/metrics`` (0 if absent)."""
-    from afd_models.demo.servers import afd_samples
-
-    key = (name, frozenset({("role", "attention"), ("rank", "0")}))
-    return afd_samples(server.metrics_text()).get(key, 0.0)
-
-
-def _in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    """Run ``fn`` on a thread; its result (or error) lands in the returned dict."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        t0 = time.monotonic()
-        try:
-            out["value"] = fn()
-        except Exception as err:
-            out["error"] = err
-        out["done_at"], out["took"] = time.monotonic(), time.monotonic() - t0
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, out
 
 
 @pytest.mark.timeout(1800)
@@ -148,36 +77,36 @@ def test_ffn_loss_holds_requests_resumes_them_and_fails_them_past_the_grace(
     try:
         wait_until_healthy([ffn, attention])
         model = served_model_id(attention.base_url)
-        reference = _tokens(attention, model)
+        reference = tokens(attention, model)
         long_prompt = DEMO_PROMPTS[0]
         long_reference = complete(
             attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS
         ).token_ids
 
         # -- 2. the FFN dies mid-request: held, then resumed with the same tokens -------------
-        long_thread, long_out = _in_thread(
+        long_thread, long_out = in_thread(
             lambda: complete(attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS)
         )
         time.sleep(2.0)
         assert long_thread.is_alive(), f"the long request ended before the kill: {long_out}"
         ffn.kill()
         killed_at = time.monotonic()
-        _wait_health(attention, 503, TIMEOUT_S + 15.0)
-        late_thread, late_out = _in_thread(
+        wait_health(attention, 503, TIMEOUT_S + 15.0)
+        late_thread, late_out = in_thread(
             lambda: complete(attention.base_url, DEMO_PROMPTS[1], model=model, max_tokens=16)
         )
         time.sleep(2.0)
         assert long_thread.is_alive() and late_thread.is_alive(), (long_out, late_out)
         assert attention.poll() is None, "the Attention server exited"
         # /metrics shows the hold: one episode, both requests held (nothing failed).
-        assert _hold_metric(attention, "afd_ffn_loss_holds_total") == 1
-        assert _hold_metric(attention, "afd_held_requests") == 2
-        assert _hold_metric(attention, "afd_ffn_loss_failed_requests_total") == 0
-        ffn = _restart(ffns[0], 1)
+        assert hold_metric(attention, "afd_ffn_loss_holds_total") == 1
+        assert hold_metric(attention, "afd_held_requests") == 2
+        assert hold_metric(attention, "afd_ffn_loss_failed_requests_total") == 0
+        ffn = restart(ffns[0], 1)
         ffns.append(ffn)
         wait_until_healthy([ffn])
         assert time.monotonic() - killed_at < GRACE_S, "the FFN restart took longer than the grace"
-        _wait_health(attention, 200, 120.0)
+        wait_health(attention, 200, 120.0)
         long_thread.join(120)
         late_thread.join(120)
         assert "error" not in long_out and "error" not in late_out, (long_out, late_out)
@@ -186,36 +115,36 @@ def test_ffn_loss_holds_requests_resumes_them_and_fails_them_past_the_grace(
         print(
             f"held across an FFN restart: resumed {long_out['done_at'] - killed_at:.1f}s after the kill"
         )
-        assert _tokens(attention, model) == reference
+        assert tokens(attention, model) == reference
 
         # -- 3. the FFN dies while the pair is idle ---------------------------------------
         ffn.kill()
-        took = _wait_health(attention, 503, IDLE_DETECT_BOUND_S)
+        took = wait_health(attention, 503, IDLE_DETECT_BOUND_S)
         print(f"idle FFN loss reported unhealthy after {took:.1f}s")
-        ffn = _restart(ffns[0], 2)
+        ffn = restart(ffns[0], 2)
         ffns.append(ffn)
         wait_until_healthy([ffn])
-        _wait_health(attention, 200, 120.0)
-        assert _tokens(attention, model) == reference
+        wait_health(attention, 200, 120.0)
+        assert tokens(attention, model) == reference
         assert "reconnected to its FFN role" in attention.log_text()
 
         # -- 4. the FFN stays down past the grace: 500 at the grace, not before ----------------
         ffn.kill()
-        _wait_health(attention, 503, IDLE_DETECT_BOUND_S)
-        status, body, took = _post(attention.base_url, model, DEMO_PROMPTS[2], 8)
+        wait_health(attention, 503, IDLE_DETECT_BOUND_S)
+        status, body, took = post(attention.base_url, model, DEMO_PROMPTS[2], 8)
         assert status == 500 and UNAVAILABLE in body and "ffn_loss_grace_s" in body, body
         assert GRACE_S - 1.0 <= took < GRACE_S + TIMEOUT_S, f"failed after {took:.1f}s"
-        status, body, took = _post(attention.base_url, model, DEMO_PROMPTS[1], 8)
+        status, body, took = post(attention.base_url, model, DEMO_PROMPTS[1], 8)
         assert status == 500 and UNAVAILABLE in body, body
         assert took < 5.0, f"a request past the grace took {took:.1f}s"
         assert attention.poll() is None, "the Attention server exited"
-        assert _hold_metric(attention, "afd_ffn_loss_holds_total") == 2
-        assert _hold_metric(attention, "afd_ffn_loss_failed_requests_total") == 2
-        ffn = _restart(ffns[0], 3)
+        assert hold_metric(attention, "afd_ffn_loss_holds_total") == 2
+        assert hold_metric(attention, "afd_ffn_loss_failed_requests_total") == 2
+        ffn = restart(ffns[0], 3)
         ffns.append(ffn)
         wait_until_healthy([ffn])
-        _wait_health(attention, 200, 120.0)
-        assert _tokens(attention, model) == reference
+        wait_health(attention, 200, 120.0)
+        assert tokens(attention, model) == reference
 
         # -- 5. both roles stop cleanly ---------------------------------------------------
         results = stop_all([attention, ffn], timeout_s=30.0)

@@ -1,0 +1,91 @@
+"""Helpers of the FFN-loss fault tests (``test_faults_ffn_loss*.py``): requests, health polls,
+a restarted FFN server, the Attention role's hold metrics."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from typing import Any
+
+import requests
+from afd_models.demo.client import complete
+from afd_models.demo.servers import VLLMServer
+from afd_models.demo.tiny import DEMO_PROMPTS
+
+TIMEOUT_S = 30.0  # the AFD config's timeout_s (every wait inside a step)
+GRACE_S = 60.0  # AFDConfig.ffn_loss_grace_s's default (the deployment does not set it)
+LONG_TOKENS = 400  # long enough to still be generating when the FFN dies
+UNAVAILABLE = "AFD FFN role unavailable"
+#: The Attention role notices an idle FFN's death by its heartbeat: 10 s without a beat
+#: (afd_core.session.liveness.LIVENESS_TIMEOUT_S) plus a poll; generous for a loaded 2-core host.
+IDLE_DETECT_BOUND_S = 40.0
+
+
+def post(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str, float]:
+    payload: dict[str, Any] = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
+    t0 = time.monotonic()
+    resp = requests.post(f"{base_url}/v1/completions", json=payload, timeout=600)
+    return resp.status_code, resp.text, time.monotonic() - t0
+
+
+def health(server: VLLMServer) -> int:
+    try:
+        return int(requests.get(f"{server.base_url}/health", timeout=10).status_code)
+    except requests.RequestException:
+        return -1
+
+
+def wait_health(server: VLLMServer, status: int, bound_s: float) -> float:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < bound_s:
+        server.check_alive()
+        if health(server) == status:
+            return time.monotonic() - t0
+        time.sleep(0.5)
+    raise AssertionError(f"{server.name} /health never answered {status} within {bound_s:.0f}s")
+
+
+def tokens(server: VLLMServer, model: str) -> list[tuple[int, ...]]:
+    return [
+        complete(server.base_url, p, model=model, max_tokens=16).token_ids for p in DEMO_PROMPTS
+    ]
+
+
+def restart(first: VLLMServer, n: int) -> VLLMServer:
+    """A new server with ``first``'s command (the same FFN rank), logging to its own file."""
+    log = first.config.log_path.with_name(f"{first.config.log_path.stem}-restart{n}.log")
+    again = VLLMServer(dataclasses.replace(first.config, log_path=log), first._progress)
+    again.start()
+    return again
+
+
+def hold_metric(server: VLLMServer, name: str) -> float:
+    """An Attention rank 0 ``afd_*`` hold series from the server's ``/metrics`` (0 if absent)."""
+    from afd_models.demo.servers import afd_samples
+
+    key = (name, frozenset({("role", "attention"), ("rank", "0")}))
+    return afd_samples(server.metrics_text()).get(key, 0.0)
+
+
+def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
+    """Run ``fn`` on a thread; its result (or error) lands in the returned dict."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        t0 = time.monotonic()
+        try:
+            out["value"] = fn()
+        except Exception as err:
+            out["error"] = err
+        out["done_at"], out["took"] = time.monotonic(), time.monotonic() - t0
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, out

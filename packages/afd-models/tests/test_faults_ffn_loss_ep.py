@@ -1,0 +1,111 @@
+"""Faults: one FFN rank of an expert-parallel pair dies while a request is generated.
+
+One AFD deployment (tiny Qwen3-MoE, 1 Attention : 2 FFN ranks, gate on Attention: each FFN rank
+holds half of the routed experts), started with the defaults a user gets (``timeout_s`` 120 s,
+``ffn_loss_grace_s`` 60 s). FFN rank 1's process session is SIGKILLed while a long request is
+generated and a second request arrives while it is down; a new FFN rank 1 (same arguments)
+starts. The surviving FFN rank 0 was inside that step: it must leave the broken step at once
+(the Attention rank's close reaches it), not after ``timeout_s``, so that the deployment pairs
+again within the grace. **Both requests complete with HTTP 200 and the tokens of an
+uninterrupted run**, FFN rank 0 is never restarted, and every role stops with exit code 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytest.importorskip("requests")
+
+from afd_models.demo.client import complete, served_model_id
+from afd_models.demo.servers import EngineOptions, afd_servers, stop_all, wait_until_healthy
+from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+
+sys.path.insert(0, str(Path(__file__).parent))
+from afd_models_ffn_loss import (
+    GRACE_S,
+    LONG_TOKENS,
+    hold_metric,
+    in_thread,
+    restart,
+    tokens,
+    wait_health,
+)
+
+pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
+
+#: AFDConfig.timeout_s's default: the survivor's wait would have ended only after this long.
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@pytest.mark.timeout(1500)
+def test_one_of_two_ffn_ranks_dies_mid_request_and_nothing_fails(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    cache = os.environ.get("AFD_TINY_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    model_path = ensure_tiny_checkpoint(TinySpec("qwen3_moe"), root)
+    log_env = os.environ.get("AFD_E2E_LOG_DIR")
+    log_dir = Path(log_env) if log_env else tmp_path_factory.getbasetemp() / "engine-logs"
+    attention, ffns = afd_servers(
+        model_path,
+        log_dir=log_dir,
+        options=EngineOptions(dtype="float32", enforce_eager=True, max_model_len=1024),
+        num_attention_ranks=1,
+        num_ffn_ranks=2,
+        gate_on_attention=True,
+        prefix="ffn-loss-ep",
+        progress=print,
+    )
+    survivor, victim = ffns
+    started = [survivor, victim]
+    for ffn in ffns:
+        ffn.start()
+    attention.start()
+    try:
+        wait_until_healthy([*ffns, attention])
+        model = served_model_id(attention.base_url)
+        reference = tokens(attention, model)
+        long_prompt = DEMO_PROMPTS[0]
+        long_reference = complete(
+            attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS
+        ).token_ids
+
+        long_thread, long_out = in_thread(
+            lambda: complete(attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS)
+        )
+        time.sleep(2.0)
+        assert long_thread.is_alive(), f"the long request ended before the kill: {long_out}"
+        victim.kill()
+        killed_at = time.monotonic()
+        wait_health(attention, 503, 60.0)
+        late_thread, late_out = in_thread(
+            lambda: complete(attention.base_url, DEMO_PROMPTS[1], model=model, max_tokens=16)
+        )
+        restarted = restart(victim, 1)
+        started.append(restarted)
+        wait_until_healthy([restarted])
+        assert time.monotonic() - killed_at < GRACE_S, "the FFN restart took longer than the grace"
+        wait_health(attention, 200, GRACE_S)
+        long_thread.join(120)
+        late_thread.join(120)
+        resumed_s = long_out.get("done_at", float("inf")) - killed_at
+        assert "error" not in long_out and "error" not in late_out, (long_out, late_out)
+        assert long_out["value"].token_ids == long_reference
+        assert late_out["value"].token_ids == reference[1]
+        assert resumed_s < GRACE_S < DEFAULT_TIMEOUT_S, resumed_s
+        print(f"one of two FFN ranks lost and restarted: resumed {resumed_s:.1f}s after the kill")
+        assert survivor.poll() is None, "the surviving FFN rank exited"
+        assert hold_metric(attention, "afd_ffn_loss_failed_requests_total") == 0
+        assert tokens(attention, model) == reference
+
+        results = stop_all([attention, survivor, restarted], timeout_s=30.0)
+        for res in results:
+            assert res.exit_code == 0 and not res.forced, res
+    finally:
+        stop_all([attention, *reversed(started)], timeout_s=30.0)
