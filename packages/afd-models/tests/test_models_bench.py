@@ -582,6 +582,8 @@ def test_run_bench_measures_two_stages_against_one_at_batches_of_two_or_more(
     assert [m for m in measured if "stages=2" in m[0] or "wide" in m[0]] == [
         ("afd 1:1 stages=2", 4),
         ("afd 1:1 stages=2", 16),
+        ("plain wide", 4),  # the wide model's plain reference (afd plan's calibration check)
+        ("plain wide", 16),
         ("afd 1:1 wide", 4),
         ("afd 1:1 wide", 16),
         ("afd 1:1 wide stages=2", 4),

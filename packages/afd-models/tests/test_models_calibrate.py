@@ -44,7 +44,9 @@ def test_afd_bench_profile_writes_the_default_profile_afd_plan_then_uses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    assert cli.main(["bench", "--profile", "--quick"]) == cli.EXIT_OK
+    # --no-engine: the vLLM runs are test_e2e_models_calibrate.py's; the rates and the wake-up
+    # are measured here.
+    assert cli.main(["bench", "--profile", "--quick", "--no-engine"]) == cli.EXIT_OK
     out = tmp_path / "cache" / "afd" / "profile.json"
     printed = capsys.readouterr().out
     assert f"wrote {out}" in printed
@@ -63,7 +65,18 @@ def test_afd_bench_profile_writes_the_default_profile_afd_plan_then_uses(
     assert "hardware: calibrated" in capsys.readouterr().out
 
 
-def test_quick_goes_with_profile_only() -> None:
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["bench", "--quick"], "--quick goes with --profile"),
+        (["bench", "--no-engine"], "--no-engine goes with --profile"),
+        (["bench", "--profile", "--hardware", "cpu-2core"], "--hardware goes without --profile"),
+    ],
+)
+def test_profile_only_flags_are_refused_elsewhere(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as err:
-        cli.main(["bench", "--quick"])
+        cli.main(argv)
     assert err.value.code == 2
+    assert message in capsys.readouterr().err

@@ -51,6 +51,8 @@ def test_json_and_toml_files(tmp_path: Path) -> None:
         ({"memory_bandwidth": 0}, "memory_bandwidth", "> 0"),
         ({"memory_bandwidth": "fast"}, "memory_bandwidth", "> 0"),
         ({"link_latency": -1}, "link_latency", ">= 0"),
+        ({"step_overhead": -1e-3}, "step_overhead", ">= 0"),
+        ({"sequence_overhead": "slow"}, "sequence_overhead", ">= 0"),
         ({"compute_efficiency": 1.5}, "compute_efficiency", "(0, 1]"),
         ({"peak_flops": {"fp8": 1e15}}, "peak_flops.fp8", "a key among"),
         ({"peak_flops": {"int8": 1e15}}, "peak_flops", "bf16, fp16 or fp32"),

@@ -34,6 +34,14 @@ def test_serial_step(tiny: ModelShape, device: HardwareProfile) -> None:
     assert p.binding == "link"
 
 
+def test_engine_software_is_paid_once_per_step(tiny: ModelShape, device: HardwareProfile) -> None:
+    # The serial step above (45.76128 us) + step 1 ms + 2 sequences x 0.25 ms = 1545.76128 us;
+    # with two stages the same 1.5 ms on top of 45.3184 us (once per step, not per stage).
+    engine = device.with_overrides(step_overhead=1e-3, sequence_overhead=0.25e-3)
+    assert predict(tiny, W, engine, Candidate(1, 1, 1, 2)).tpot_s == pytest.approx(1545.76128e-6)
+    assert predict(tiny, W, engine, Candidate(1, 1, 2, 2)).tpot_s == pytest.approx(1545.3184e-6)
+
+
 def test_two_stages_with_an_exposed_chain(tiny: ModelShape, device: HardwareProfile) -> None:
     # mb = 1: t_a 24576 + 1408 = 25984 B -> 259.84 ns; t_f 2 experts -> 245.76 ns;
     # t_c 1 us + 10 us + 12.8 ns = 11.0128 us, occupancy o = 1.0128 us.

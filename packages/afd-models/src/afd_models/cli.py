@@ -16,7 +16,9 @@ Subcommands:
 * ``afd bench`` — steady-state decode TPOT of AFD against plain vLLM on the tiny Qwen3-MoE
   (expert-parallel ``1:F`` deployments included, with the bytes they send per step; the
   quantized FFN computes at ``1:1`` unless ``--no-quantized``), and the raw gloo round trip (see
-  :mod:`afd_models.demo.bench`); prints tables, writes JSON.
+  :mod:`afd_models.demo.bench`); prints tables, writes JSON; with a hardware profile
+  (``--hardware``, default the calibrated one when it exists) afd-plan's predicted TPOT beside
+  each measured row. ``afd bench --profile`` measures this host's profile instead.
 * ``afd plan`` — afd-plan's capacity planner: for a checkpoint's ``config.json``, a hardware
   profile (a file or a shipped name; default: this host's calibrated profile if
   ``~/.cache/afd/profile.json`` exists, else a shipped one, with a note) and a workload, the
@@ -216,6 +218,21 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--quick", action="store_true", help="with --profile: fewer repeats (a harness check)"
+    )
+    bench.add_argument(
+        "--engine",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --profile: also measure vLLM's own costs on the tiny model (plain at batch 1 "
+        "and 16, AFD 1:1 at batch 1; a few minutes): the profile's step, sequence and message "
+        "overheads",
+    )
+    bench.add_argument(
+        "--hardware",
+        default=None,
+        help="compare the measured TPOT with afd plan's prediction on this profile (file or "
+        "shipped name; default: the calibrated profile at $XDG_CACHE_HOME/afd/profile.json when "
+        "it exists, else no comparison)",
     )
 
     plan = sub.add_parser(
@@ -427,16 +444,28 @@ def _int_list(parser: argparse.ArgumentParser, flag: str, text: str) -> tuple[in
 def _bench_profile(ns: argparse.Namespace) -> int:
     from afd_plan.hardware import calibrated_profile_path
 
-    from afd_models.demo.calibrate import calibrate, write_profile
+    from afd_models.demo.calibrate import calibrate, measure_engine, write_profile
 
     out = ns.out if ns.out is not None else calibrated_profile_path()
-    cal = calibrate(quick=ns.quick, progress=lambda msg: print(msg, flush=True))
-    profile = write_profile(cal, out)
+    progress = lambda msg: print(msg, flush=True)  # noqa: E731
+    cal = calibrate(quick=ns.quick, progress=progress)
+    engine = None
+    if ns.engine:
+        engine = measure_engine(
+            cache_dir=ns.cache_dir, log_dir=ns.log_dir, quick=ns.quick, progress=progress
+        )
+    profile = write_profile(cal, out, engine)
     print(
         f"peak fp32 {profile['peak_flops']['fp32'] / 1e9:.1f} GFLOP/s, memory "
         f"{profile['memory_bandwidth'] / 1e9:.1f} GB/s, link {profile['link_bandwidth'] / 1e9:.2f} "
-        f"GB/s + {profile['link_latency'] * 1e6:.0f} us, wake-up "
-        f"{profile['message_overhead'] * 1e6:.1f} us"
+        f"GB/s + {profile['link_latency'] * 1e6:.0f} us, message "
+        f"{profile['message_overhead'] * 1e6:.1f} us (thread wake-up {cal.wakeup_s * 1e6:.1f} us)"
+        + (
+            f", engine step {profile['step_overhead'] * 1e3:.2f} ms + "
+            f"{profile['sequence_overhead'] * 1e3:.3f} ms per sequence"
+            if engine is not None
+            else ""
+        )
     )
     print(f"wrote {out} (afd plan's default profile at that path)")
     return EXIT_OK
@@ -444,9 +473,19 @@ def _bench_profile(ns: argparse.Namespace) -> int:
 
 def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if ns.profile:
+        if ns.hardware is not None:
+            parser.error("afd bench: --hardware goes without --profile (it compares a bench run)")
         return _bench_profile(ns)
     if ns.quick:
         parser.error("afd bench: --quick goes with --profile")
+    if not ns.engine:
+        parser.error("afd bench: --no-engine goes with --profile")
+    plan_profile: str | Path | None = ns.hardware
+    if plan_profile is None:
+        from afd_plan.hardware import calibrated_profile_path
+
+        if calibrated_profile_path().is_file():
+            plan_profile = calibrated_profile_path()
     from afd_models.demo.bench import BenchConfig, run_bench
     from afd_models.demo.servers import ServerError
 
@@ -463,6 +502,7 @@ def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             out=ns.out,
             log_dir=ns.log_dir,
             cache_dir=ns.cache_dir,
+            plan_profile=plan_profile,
         )
     except ValueError as e:
         parser.error(f"afd bench: {e}")

@@ -25,6 +25,11 @@ key                        meaning                                              
 ``memory_usable_fraction`` share of ``memory_bytes`` for weights + KV (default 0.9) (0, 1]
 ``layer_overhead``         fixed time per layer per role step (launch, sync), s   >= 0
                            (default 0)
+``step_overhead``          fixed software time per decode step of the serving      >= 0
+                           engine (scheduling, input preparation, sampling), s
+                           (default 0)
+``sequence_overhead``      software time per sequence per decode step (sampling,   >= 0
+                           output processing, streaming), s (default 0)
 ``description``            free text (optional)                                    any string
 =========================  ======================================================  ==========
 
@@ -89,6 +94,8 @@ _OPTIONAL: Final[dict[str, float]] = {
     "link_efficiency": 1.0,
     "memory_usable_fraction": 0.9,
     "layer_overhead": 0.0,
+    "step_overhead": 0.0,
+    "sequence_overhead": 0.0,
     "kv_efficiency": 0.0,
 }
 
@@ -115,6 +122,8 @@ class HardwareProfile:
     link_efficiency: float = 1.0
     memory_usable_fraction: float = 0.9
     layer_overhead: float = 0.0
+    step_overhead: float = 0.0
+    sequence_overhead: float = 0.0
     kv_efficiency: float = 0.0
     description: str = ""
 
@@ -176,6 +185,8 @@ class HardwareProfile:
             "link_efficiency": self.link_efficiency,
             "memory_usable_fraction": self.memory_usable_fraction,
             "layer_overhead": self.layer_overhead,
+            "step_overhead": self.step_overhead,
+            "sequence_overhead": self.sequence_overhead,
             **({"kv_efficiency": self.kv_efficiency} if self.kv_efficiency else {}),
         }
 
@@ -244,7 +255,7 @@ def profile_from_mapping(data: Mapping[str, Any], *, origin: str = "profile") ->
         values[key] = _number(f"{origin}:{key}", data[key], positive=False)
     for key, default in _OPTIONAL.items():
         raw = data.get(key, default)
-        if key == "layer_overhead":
+        if key in ("layer_overhead", "step_overhead", "sequence_overhead"):
             values[key] = _number(f"{origin}:{key}", raw, positive=False)
         elif key == "kv_efficiency" and key not in data:
             values[key] = 0.0

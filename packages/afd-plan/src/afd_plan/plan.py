@@ -18,13 +18,18 @@ not free: each micro-batch re-reads the weights, so a weight-bound ``t_f(b/S)`` 
 ``t_f(b)`` and ``S * t_f`` grows with ``S``.
 
 Dense layers run attention + MLP on the Attention rank: ``S * (t_a + t_mlp)`` at ``b / S``; the
-LM head ``S * t_head(b / S)``. ``TPOT = L_dense * dense + L_moe * P + head``, each layer priced
+LM head ``S * t_head(b / S)``. ``TPOT = L_dense * dense + L_moe * P + head + engine``, each layer priced
 with its own attention (Qwen3.5-MoE mixes full and linear attention layers).
 
 **Colocated baseline** (``N`` devices, attention data parallel, experts split ``E / N`` per
 device, dispatch and combine all-to-all per MoE layer, as vLLM's expert parallelism): per
 micro-batch ``c = t_a + t_experts(N * b / S tokens over N ranks)`` and ``m = 2 * t_a2a``;
 ``P = max(S * c, S * (m - 2 * link_latency), c + m)``.
+
+**Engine software** (profile ``step_overhead``, ``sequence_overhead``; 0 in the shipped GPU/NPU
+profiles, measured on a CPU host by ``afd bench --profile``): each decode step of the serving
+engine (the Attention rank's, or the colocated device's) costs ``step_overhead + b *
+sequence_overhead`` on top of the layers (scheduling, input preparation, sampling, output).
 
 **Throughput.** ``tokens/s = A * b / TPOT`` (colocated ``N * b / TPOT``); per device divide by
 ``A + F`` (``N``).
@@ -236,6 +241,7 @@ def predict(shape: ModelShape, work: Workload, hw: HardwareProfile, cand: Candid
     mb = cand.batch / s
     dense_mlp = mlp_time(shape, work, hw, mb, shape.dense_intermediate_size)
     tpot = s * lm_head_time(shape, hw, mb).seconds
+    tpot += hw.step_overhead + cand.batch * hw.sequence_overhead
     main: tuple[float, LayerTerms] | None = None
     for (att, is_moe), count in shape.layer_groups().items():
         t_attn = attention_time(shape, work, hw, mb, work.mean_context, att)

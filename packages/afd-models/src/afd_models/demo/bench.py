@@ -144,6 +144,9 @@ class BenchConfig:
     log_dir: Path = Path("afd-bench-logs")
     cache_dir: Path | None = None
     startup_timeout_s: float = 900.0
+    #: A hardware profile (file or shipped name): the TPOT rows are then compared with
+    #: afd-plan's predictions on it (``"plan"`` in the result, see afd_models.demo.bench_plan).
+    plan_profile: str | Path | None = None
 
     def __post_init__(self) -> None:
         if not self.batch_sizes or any(b < 1 for b in self.batch_sizes):
@@ -365,7 +368,7 @@ def measure_tpot(server: VLLMServer, batch: int, cfg: BenchConfig, setup: str) -
 # --------------------------------------------------------------------------------------------
 
 
-def _options(cfg: BenchConfig, env: Mapping[str, str]) -> EngineOptions:
+def bench_options(cfg: BenchConfig, env: Mapping[str, str]) -> EngineOptions:
     return EngineOptions(
         dtype="float32",
         enforce_eager=True,
@@ -375,7 +378,7 @@ def _options(cfg: BenchConfig, env: Mapping[str, str]) -> EngineOptions:
     )
 
 
-def _run_setup(
+def run_setup(
     servers: Sequence[VLLMServer],
     front: VLLMServer,
     batches: Sequence[int],
@@ -619,9 +622,9 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
     )
     for setup, name, env in plain_setups:
         progress(setup)
-        options = _options(cfg, env)
+        options = bench_options(cfg, env)
         plain = plain_server(model, log_dir=log_dir, options=options, name=name, progress=progress)
-        plain_rows += _run_setup([plain], plain, cfg.batch_sizes, cfg, setup)
+        plain_rows += run_setup([plain], plain, cfg.batch_sizes, cfg, setup)
 
     afd_rows: list[TPOTRow] = []
     for attention_ranks, batches in ((1, cfg.batch_sizes), (2, (largest,))):
@@ -630,18 +633,19 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
-            options=_options(cfg, PLACEMENT_ENV),
+            options=bench_options(cfg, PLACEMENT_ENV),
             num_attention_ranks=attention_ranks,
             gate_on_attention=False,
             prefix=f"bench-{attention_ranks}a1f",
             progress=progress,
         )
-        afd_rows += _run_setup([attention, *ffns], attention, batches, cfg, setup)
+        afd_rows += run_setup([attention, *ffns], attention, batches, cfg, setup)
 
     # Two-stage overlap at 1:1 (gate on FFN), against one stage: the tiny model (its one-stage
     # rows are the afd 1:1 rows above) and the wide one (both measured here).
     stages: list[StageRow] = []
     stage_tpot: list[TPOTRow] = []
+    checkpoints = {"tiny": str(model)}
     stage_batches = tuple(b for b in cfg.batch_sizes if b >= 2)
     for width in STAGE_WIDTHS if cfg.stages and stage_batches else ():
         stage_model, rt = model, round_trip
@@ -652,24 +656,35 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             progress(f"raw gloo round trip, hidden={wide_hidden}")
             rt = raw_round_trip_ms(stage_batches, wide_hidden)
             one_setup = f"{one_setup} {width}"
+            plain_setup = f"plain {width}"
+            progress(plain_setup)
+            plain = plain_server(
+                stage_model,
+                log_dir=log_dir,
+                options=bench_options(cfg, PLACEMENT_ENV),
+                name=f"plain-{width}",
+                progress=progress,
+            )
+            stage_tpot += run_setup([plain], plain, stage_batches, cfg, plain_setup)
+            checkpoints[width] = str(stage_model)
             progress(one_setup)
             attention, ffns = afd_servers(
                 stage_model,
                 log_dir=log_dir,
-                options=_options(cfg, PLACEMENT_ENV),
+                options=bench_options(cfg, PLACEMENT_ENV),
                 num_attention_ranks=1,
                 gate_on_attention=False,
                 prefix=f"bench-1a1f-{width}",
                 progress=progress,
             )
-            stage_tpot += _run_setup([attention, *ffns], attention, stage_batches, cfg, one_setup)
+            stage_tpot += run_setup([attention, *ffns], attention, stage_batches, cfg, one_setup)
         two_setup = f"{one_setup} stages=2"
         progress(two_setup)
         attention, ffns = afd_servers(
             stage_model,
             log_dir=log_dir,
             # Thresholds at 1: measure the split itself at these small batches.
-            options=split_every_step(_options(cfg, PLACEMENT_ENV)),
+            options=split_every_step(bench_options(cfg, PLACEMENT_ENV)),
             num_attention_ranks=1,
             gate_on_attention=False,
             afd_extra={"num_stages": 2},
@@ -677,7 +692,7 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             progress=progress,
         )
         metrics: dict[str, str] = {}
-        two = _run_setup([attention, *ffns], attention, stage_batches, cfg, two_setup, metrics)
+        two = run_setup([attention, *ffns], attention, stage_batches, cfg, two_setup, metrics)
         stage_tpot += two
         split = split_step_share(parse_ffn_stats(metrics[ffns[0].name]).get(0))
         one = [r for r in (*afd_rows, *stage_tpot) if r.setup == one_setup]
@@ -693,7 +708,7 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
-            options=_options(cfg, PLACEMENT_ENV),
+            options=bench_options(cfg, PLACEMENT_ENV),
             num_attention_ranks=1,
             gate_on_attention=False,
             ffn_extra=q.ffn_extra(),
@@ -701,7 +716,7 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             progress=progress,
         )
         metrics = {}
-        rows_q = _run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, q.setup, metrics)
+        rows_q = run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, q.setup, metrics)
         quantized_tpot += rows_q
         report = parse_quantized(metrics[ffns[0].name]).get(0)
         quantized += quantized_rows(q, rows_q, native, plain_ref, report)
@@ -714,7 +729,7 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
-            options=_options(cfg, PLACEMENT_ENV),
+            options=bench_options(cfg, PLACEMENT_ENV),
             num_attention_ranks=1,
             num_ffn_ranks=num_ffn_ranks,
             gate_on_attention=True,
@@ -722,12 +737,13 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             progress=progress,
         )
         metrics = {}
-        afd_rows += _run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, setup, metrics)
+        afd_rows += run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, setup, metrics)
         stats = [parse_ffn_stats(metrics[f.name]).get(rank) for rank, f in enumerate(ffns)]
         reference = traffic[0].bytes_per_step if traffic else None
         traffic.append(traffic_row(setup, stats, reference))
 
     rows = compare(plain_ref, afd_rows, round_trip, layers)
+    tpot = [asdict(r) for r in (*plain_rows, *afd_rows, *stage_tpot, *quantized_tpot)]
     result = {
         "model": f"tiny qwen3_moe (hidden {hidden}, {layers} MoE layers)",
         "max_tokens": cfg.max_tokens,
@@ -735,8 +751,9 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         "ffn_ranks": list(cfg.gate_on_attention_ffn_ranks),
         "env": dict(PLACEMENT_ENV),
         "default_threads_env": dict(DEFAULT_ENGINE_ENV),
+        "checkpoints": checkpoints,
         "raw_round_trip_ms": {str(b): v for b, v in round_trip.items()},
-        "tpot": [asdict(r) for r in (*plain_rows, *afd_rows, *stage_tpot, *quantized_tpot)],
+        "tpot": tpot,
         "stages": [
             {**asdict(r), "meets_target": r.hidden_share >= TARGET_HIDDEN_SHARE} for r in stages
         ],
@@ -751,6 +768,16 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             "hidden_share_min_at_largest_batch": TARGET_HIDDEN_SHARE,
         },
     }
+    planned = None
+    if cfg.plan_profile is not None:
+        from afd_plan.hardware import load_profile
+
+        from afd_models.demo.bench_plan import compare_with_plan
+
+        planned = compare_with_plan(
+            tpot, checkpoints, load_profile(cfg.plan_profile), max_tokens=cfg.max_tokens
+        )
+        result["plan"] = planned.to_json()
     if cfg.out is not None:
         cfg.out.parent.mkdir(parents=True, exist_ok=True)
         cfg.out.write_text(json.dumps(result, indent=2) + "\n")
@@ -765,4 +792,8 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         "plain with vLLM's default CPU threading (reference): "
         + ", ".join(f"batch {b}: {t:.2f} ms" for b, t in default.items())
     )
+    if planned is not None:
+        from afd_models.demo.bench_plan import render_plan_comparison
+
+        progress(render_plan_comparison(planned))
     return result

@@ -1,6 +1,7 @@
 """``afd bench --profile``: measure this host's costs and write a profile ``afd plan`` reads.
 
-What is measured (each a median over repeats, on this process's torch threads):
+What is measured (each a median over repeats; the GEMM and memory rates on one torch thread,
+what each role gets under ``afd bench``'s placement):
 
 * **GEMM rate** at the decode shapes of a MoE expert (``tokens x hidden`` by ``hidden x inter``,
   fp32) for several token counts. The largest achieved FLOP/s is the profile's ``peak_flops.fp32``
@@ -16,6 +17,14 @@ What is measured (each a median over repeats, on this process's torch threads):
   turn and an FFN service reply cost beyond the bytes): half its round trip is
   ``message_overhead``.
 * ``memory_bytes``: this host's RAM.
+* **Engine software** (unless ``engine=False``): vLLM itself on the tiny Qwen3-MoE, with the
+  thread placement ``afd bench`` uses: plain vLLM at batch 1 and 16 and an AFD pair (1:1, gate
+  on FFN) at batch 1, each a median TPOT. What the model's layer terms (on the rates above) do
+  not explain is the engine's: the plain runs give ``step_overhead`` (per decode step) and
+  ``sequence_overhead`` (per sequence per step), the pair's excess over plain gives
+  ``message_overhead`` (the software cost of one message of the AFD exchange: the proxy, the
+  connector, the FFN service loop and the wake-ups of both roles; two per MoE layer at 1:1).
+  Without the engine runs ``message_overhead`` is the thread wake-up.
 
 The written profile validates with :func:`afd_plan.profile_from_mapping` before it is written;
 ``afd plan`` uses the file at :func:`afd_plan.calibrated_profile_path` by default.
@@ -29,18 +38,22 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import torch
 
 __all__ = [
+    "ENGINE_BATCHES",
     "Calibration",
+    "EngineCalibration",
     "GemmPoint",
     "calibrate",
+    "engine_overheads",
+    "measure_engine",
     "measure_gemm",
     "measure_link",
     "measure_memory_bandwidth",
@@ -190,14 +203,117 @@ def measure_wakeup(repeats: int = 2000) -> float:
     return elapsed / repeats / 2
 
 
-def calibrate(*, quick: bool = False, progress: Callable[[str], None] = print) -> Calibration:
-    """Run every measurement of the module docstring (``quick``: fewer repeats)."""
-    progress("calibrating: GEMM rate")
-    gemm = measure_gemm(repeats=3 if quick else 7, inner=5 if quick else 20)
-    progress("calibrating: memory bandwidth")
-    bandwidth_mem = measure_memory_bandwidth(
-        (64 if quick else 256) << 20, repeats=3 if quick else 7
+#: Batches of the plain engine runs (one step-bound, one with many sequences).
+ENGINE_BATCHES: Final[tuple[int, int]] = (1, 16)
+
+
+@dataclass(frozen=True)
+class EngineCalibration:
+    """Median TPOTs (s) of vLLM on the tiny checkpoint ``model``: plain by batch, and the AFD
+    1:1 pair (gate on FFN) at batch 1; ``max_tokens`` per request."""
+
+    model: str
+    max_tokens: int
+    plain_tpot_s: dict[int, float]
+    afd_tpot_s: float
+
+
+def measure_engine(
+    *,
+    cache_dir: Path | None,
+    log_dir: Path,
+    quick: bool = False,
+    progress: Callable[[str], None] = print,
+) -> EngineCalibration:
+    """Plain vLLM at :data:`ENGINE_BATCHES` and an AFD 1:1 pair at batch 1, as ``afd bench``
+    starts them (one thread per role, passive waits)."""
+    from afd_models.demo.bench import (
+        PLACEMENT_ENV,
+        BenchConfig,
+        bench_options,
+        run_setup,
+        setup_name,
     )
+    from afd_models.demo.servers import afd_servers, plain_server
+    from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
+
+    cfg = BenchConfig(
+        batch_sizes=ENGINE_BATCHES,
+        repeats=1 if quick else 3,
+        quantized=False,
+        stages=False,
+        log_dir=log_dir,
+        cache_dir=cache_dir,
+    )
+    model = ensure_tiny_checkpoint(TinySpec("qwen3_moe"), cache_dir)
+    options = bench_options(cfg, PLACEMENT_ENV)
+    progress("calibrating: plain vLLM (engine step and per-sequence costs)")
+    plain = plain_server(model, log_dir=log_dir, options=options, name="profile-plain")
+    rows = run_setup([plain], plain, ENGINE_BATCHES, cfg, "plain")
+    progress("calibrating: an AFD 1:1 pair (the exchange's per-message cost)")
+    attention, ffns = afd_servers(
+        model,
+        log_dir=log_dir,
+        options=options,
+        num_attention_ranks=1,
+        gate_on_attention=False,
+        prefix="profile-1a1f",
+    )
+    (afd,) = run_setup([attention, *ffns], attention, (1,), cfg, setup_name(1, 1, False))
+    return EngineCalibration(
+        model=str(model),
+        max_tokens=cfg.max_tokens,
+        plain_tpot_s={r.batch: r.tpot_ms / 1e3 for r in rows},
+        afd_tpot_s=afd.tpot_ms / 1e3,
+    )
+
+
+def engine_overheads(base: Mapping[str, Any], eng: EngineCalibration) -> dict[str, float]:
+    """``step_overhead``, ``sequence_overhead`` and ``message_overhead`` (s) from ``eng``: what
+    afd-plan's layer terms on the ``base`` profile leave of the measured TPOTs (each at least 0).
+
+    Plain at batches ``lo < hi``: ``TPOT(b) - model(b) = step + b * sequence``, two equations.
+    The 1:1 pair at batch 1, priced with those and no per-message cost, falls short of its
+    measurement by ``2 * L_moe`` messages (one each way per MoE layer)."""
+    from afd_plan import Candidate, Workload, load_model_shape, predict, profile_from_mapping
+
+    from afd_models.demo.bench_plan import PROMPT_TOKENS
+
+    shape = load_model_shape(eng.model)
+    work = Workload(input_len=PROMPT_TOKENS, output_len=eng.max_tokens)
+    hw = profile_from_mapping({**base, "message_overhead": 0.0}, origin="calibration")
+    lo, hi = min(eng.plain_tpot_s), max(eng.plain_tpot_s)
+    left = {
+        b: eng.plain_tpot_s[b] - predict(shape, work, hw, Candidate(1, 0, 1, b)).tpot_s
+        for b in (lo, hi)
+    }
+    sequence = max((left[hi] - left[lo]) / (hi - lo), 0.0)
+    step = max(left[lo] - lo * sequence, 0.0)
+    hw = hw.with_overrides(step_overhead=step, sequence_overhead=sequence)
+    afd = predict(shape, work, hw, Candidate(1, 1, 1, 1)).tpot_s
+    message = max((eng.afd_tpot_s - afd) / (2 * shape.num_moe_layers), 0.0)
+    return {"step_overhead": step, "sequence_overhead": sequence, "message_overhead": message}
+
+
+#: Torch threads of the rate measurements: one, as ``afd bench`` places every role (one
+#: OpenMP thread per worker), so a profile "device" is what one role gets.
+CALIBRATION_THREADS: Final[int] = 1
+
+
+def calibrate(*, quick: bool = False, progress: Callable[[str], None] = print) -> Calibration:
+    """Run every measurement of the module docstring (``quick``: fewer repeats); the GEMM and
+    memory rates on :data:`CALIBRATION_THREADS` torch thread(s)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(CALIBRATION_THREADS)
+    try:
+        progress("calibrating: GEMM rate")
+        gemm = measure_gemm(repeats=3 if quick else 7, inner=5 if quick else 20)
+        progress("calibrating: memory bandwidth")
+        bandwidth_mem = measure_memory_bandwidth(
+            (64 if quick else 256) << 20, repeats=3 if quick else 7
+        )
+    finally:
+        torch.set_num_threads(threads)
     progress("calibrating: gloo round trips between two processes")
     rtts, latency, bandwidth = measure_link(repeats=10 if quick else 100)
     progress("calibrating: thread wake-up")
@@ -211,7 +327,7 @@ def calibrate(*, quick: bool = False, progress: Callable[[str], None] = print) -
         link_bandwidth=bandwidth,
         wakeup_s=wakeup,
         memory_bytes=int(memory),
-        threads=torch.get_num_threads(),
+        threads=CALIBRATION_THREADS,
     )
 
 
@@ -242,15 +358,25 @@ def profile_mapping(cal: Calibration, *, name: str = "calibrated") -> dict[str, 
     }
 
 
-def write_profile(cal: Calibration, out: Path) -> dict[str, Any]:
-    """Validate ``cal``'s profile with afd-plan, write it to ``out`` (JSON, with the raw
-    measurements under no profile key), return it."""
+def write_profile(
+    cal: Calibration, out: Path, engine: EngineCalibration | None = None
+) -> dict[str, Any]:
+    """Validate ``cal``'s profile (with ``engine``'s overheads, :func:`engine_overheads`) with
+    afd-plan, write it to ``out`` (JSON; the raw measurements beside it in
+    ``<stem>.measurements.json``), return it."""
     from afd_plan import profile_from_mapping
 
     profile = profile_mapping(cal)
+    if engine is not None:
+        profile.update(engine_overheads(profile, engine))
+        profile["source"] += (
+            f"; vLLM on {Path(engine.model).name}: plain at batches "
+            f"{sorted(engine.plain_tpot_s)}, AFD 1:1 at batch 1 (engine and exchange overheads)"
+        )
     profile_from_mapping(profile, origin="calibration")  # refuses before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(profile, indent=2) + "\n")
     raw = out.with_name(out.stem + ".measurements.json")
-    raw.write_text(json.dumps(asdict(cal), indent=2, default=str) + "\n")
+    measured = {**asdict(cal), "engine": None if engine is None else asdict(engine)}
+    raw.write_text(json.dumps(measured, indent=2, default=str) + "\n")
     return profile

@@ -1,0 +1,184 @@
+"""``afd bench`` against ``afd plan``: the cost model's TPOT next to the measured one.
+
+Each TPOT row of an ``afd bench`` result (see :mod:`afd_models.demo.bench`) names a deployment;
+:func:`candidate_for` turns it into afd-plan's :class:`~afd_plan.plan.Candidate` on the tiny or
+wide checkpoint, :func:`compare_with_plan` predicts it on a hardware profile (this host's
+calibrated one, ``afd bench --profile``) and reports predicted against measured, the error, and
+whether the model ranks the setups in the measured order.
+
+Mapping (``b`` = the row's batch: requests in flight on the whole server):
+
+==============================  =====================================================
+setup                           candidate
+==============================  =====================================================
+``plain`` / ``plain wide``      colocated on one device (one thread), batch ``b``
+``afd A:F`` (``gate-attn``)     ``A`` Attention ranks, ``F`` FFN ranks, ``b / A`` per rank
+``... stages=2``                the same with ``S = 2``
+``... wide``                    on the wide checkpoint
+==============================  =====================================================
+
+Not compared: ``plain (vLLM default threads)`` (every core on one device: not a device of the
+profile) and the quantized rows (the CPU reference computes dequantize to fp32: their cost is
+not the quantized GEMM the model prices). The gate's placement is not a term of the model: a
+``gate-attn`` row is predicted like its ``gate on FFN`` twin.
+
+Workload: every request's prompt is one of the demo prompts (about :data:`PROMPT_TOKENS`
+tokens) and it decodes ``max_tokens`` tokens; decode is priced at the mean context.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from afd_plan.hardware import HardwareProfile
+from afd_plan.plan import Candidate, predict
+from afd_plan.shape import load_model_shape
+from afd_plan.workload import Workload
+
+__all__ = [
+    "PROMPT_TOKENS",
+    "PlanComparison",
+    "PlannedRow",
+    "candidate_for",
+    "compare_with_plan",
+    "render_plan_comparison",
+]
+
+#: Tokens of a demo prompt (they are 4 to 7 words).
+PROMPT_TOKENS: Final[int] = 6
+#: The calibration target of issue "afd plan": every compared row within this relative error.
+TARGET_ERROR: Final[float] = 0.25
+
+_SETUP = re.compile(
+    r"^(?:(?P<plain>plain)|afd (?P<a>\d+):(?P<f>\d+)(?P<gate> gate-attn)?)"
+    r"(?P<wide> wide)?(?: stages=(?P<s>\d+))?$"
+)
+
+
+def candidate_for(setup: str, batch: int) -> tuple[str, Candidate] | None:
+    """``(width, candidate)`` for one bench row, or ``None`` for a row the model does not price
+    (see the module docstring). ``width`` is ``"tiny"`` or ``"wide"``."""
+    m = _SETUP.match(setup)
+    if m is None:
+        return None
+    width = "wide" if m["wide"] else "tiny"
+    stages = int(m["s"] or 1)
+    if m["plain"]:
+        return width, Candidate(1, 0, stages, batch)
+    a, f = int(m["a"]), int(m["f"])
+    return width, Candidate(a, f, stages, max(1, math.ceil(batch / a)))
+
+
+@dataclass(frozen=True)
+class PlannedRow:
+    """One bench row with the model's prediction (milliseconds)."""
+
+    setup: str
+    batch: int
+    measured_ms: float
+    predicted_ms: float
+    binding: str
+
+    @property
+    def error(self) -> float:
+        """``predicted / measured - 1``."""
+        return self.predicted_ms / self.measured_ms - 1.0
+
+    @property
+    def within_target(self) -> bool:
+        return abs(self.error) <= TARGET_ERROR
+
+
+@dataclass(frozen=True)
+class PlanComparison:
+    """Every priced row, and the pairs of rows the model orders otherwise than measured."""
+
+    profile: str
+    rows: tuple[PlannedRow, ...]
+    misordered: tuple[tuple[str, str], ...]
+
+    @property
+    def within_target(self) -> int:
+        return sum(r.within_target for r in self.rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "profile": self.profile,
+            "target_error": TARGET_ERROR,
+            "rows": [{**asdict(r), "error": r.error} for r in self.rows],
+            "within_target": self.within_target,
+            "misordered": [list(p) for p in self.misordered],
+        }
+
+
+def compare_with_plan(
+    tpot_rows: Sequence[Mapping[str, Any]],
+    checkpoints: Mapping[str, str | Path],
+    hw: HardwareProfile,
+    *,
+    max_tokens: int,
+    prompt_tokens: int = PROMPT_TOKENS,
+) -> PlanComparison:
+    """Predict every priced row of ``tpot_rows`` (an ``afd bench`` result's ``"tpot"`` list) on
+    ``hw``; ``checkpoints`` maps ``"tiny"`` / ``"wide"`` to the checkpoints the bench ran.
+
+    Raises ``KeyError`` naming a width a row needs and ``checkpoints`` lacks."""
+    work = Workload(input_len=prompt_tokens, output_len=max_tokens)
+    shapes: dict[str, Any] = {}
+    rows: list[PlannedRow] = []
+    for raw in tpot_rows:
+        setup, batch = str(raw["setup"]), int(raw["batch"])
+        found = candidate_for(setup, batch)
+        if found is None:
+            continue
+        width, cand = found
+        if width not in shapes:
+            if width not in checkpoints:
+                raise KeyError(f"checkpoints[{width!r}]: the row {setup!r} runs on it")
+            shapes[width] = load_model_shape(checkpoints[width])
+        pred = predict(shapes[width], work, hw, cand)
+        rows.append(
+            PlannedRow(setup, batch, float(raw["tpot_ms"]), pred.tpot_s * 1e3, pred.binding)
+        )
+    return PlanComparison(hw.name, tuple(rows), _misordered(rows))
+
+
+def _misordered(rows: Sequence[PlannedRow]) -> tuple[tuple[str, str], ...]:
+    """Pairs of rows at the same batch whose measured order the prediction reverses (rows
+    within 5 % of each other in the measurement count as a tie and are not compared)."""
+    out: list[tuple[str, str]] = []
+    for i, x in enumerate(rows):
+        for y in rows[i + 1 :]:
+            if x.batch != y.batch:
+                continue
+            if abs(x.measured_ms - y.measured_ms) <= 0.05 * min(x.measured_ms, y.measured_ms):
+                continue
+            if (x.measured_ms < y.measured_ms) != (x.predicted_ms < y.predicted_ms):
+                out.append((f"{x.setup} b={x.batch}", f"{y.setup} b={y.batch}"))
+    return tuple(out)
+
+
+def render_plan_comparison(cmp: PlanComparison) -> str:
+    """A text table: setup, batch, measured and predicted TPOT, error, binding resource."""
+    lines = [
+        f"afd plan on profile {cmp.profile!r} against the measured TPOT "
+        f"(target: within {TARGET_ERROR:.0%})",
+        f"{'setup':<26} {'batch':>5} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  binds",
+    ]
+    for r in cmp.rows:
+        mark = "" if r.within_target else "  *"
+        lines.append(
+            f"{r.setup:<26} {r.batch:>5} {r.measured_ms:>12.2f} {r.predicted_ms:>13.2f} "
+            f"{r.error:>+8.0%}  {r.binding}{mark}"
+        )
+    lines.append(
+        f"{cmp.within_target}/{len(cmp.rows)} rows within {TARGET_ERROR:.0%}; "
+        f"{len(cmp.misordered)} pair(s) ordered otherwise than measured"
+        + "".join(f"\n  {a} vs {b}" for a, b in cmp.misordered)
+    )
+    return "\n".join(lines)

@@ -1,0 +1,38 @@
+"""``afd bench --profile`` with its engine runs: plain vLLM and an AFD 1:1 pair on the tiny
+checkpoint give the profile's step, sequence and per-message costs (the rates and the wake-up
+are covered without engines by ``test_models_calibrate.py``)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from afd_models import cli
+from afd_plan import load_profile
+
+pytestmark = [pytest.mark.e2e, pytest.mark.vllm_runtime, pytest.mark.slow]
+
+
+@pytest.mark.timeout(900)
+def test_profile_measures_the_engine_and_the_exchange(tmp_path: Path) -> None:
+    out = tmp_path / "profile.json"
+    argv = ["bench", "--profile", "--quick", "--out", str(out), "--log-dir", str(tmp_path)]
+    cache = os.environ.get("AFD_TINY_CACHE")
+    if cache:
+        argv += ["--cache-dir", cache]
+    assert cli.main(argv) == cli.EXIT_OK
+    profile = load_profile(out)
+    # A vLLM decode step on CPU costs milliseconds of software; an AFD message far more than
+    # a thread wake-up (it crosses processes, the connector and both roles' loops).
+    assert 1e-4 < profile.step_overhead < 0.1
+    assert 0 <= profile.sequence_overhead < profile.step_overhead
+    raw = json.loads(out.with_name("profile.measurements.json").read_text())
+    assert raw["engine"]["plain_tpot_s"].keys() == {"1", "16"}
+    assert raw["engine"]["afd_tpot_s"] > raw["engine"]["plain_tpot_s"]["1"]
+    assert profile.message_overhead > raw["wakeup_s"]
+    assert "AFD 1:1 at batch 1" in profile.source

@@ -1,0 +1,109 @@
+"""``afd bench`` against ``afd plan``: the row mapping, the comparison and the engine overheads
+``afd bench --profile`` derives (hand-computed cases; no engine runs)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from afd_models.demo.bench_plan import (
+    TARGET_ERROR,
+    PlannedRow,
+    _misordered,
+    candidate_for,
+    compare_with_plan,
+    render_plan_comparison,
+)
+from afd_models.demo.calibrate import EngineCalibration, engine_overheads
+from afd_models.demo.tiny import TinySpec, model_config
+from afd_plan import Candidate, profile_from_mapping
+
+#: A device so fast that every layer term is negligible: what is left is the engine's.
+INSTANT: dict[str, Any] = {
+    "name": "instant",
+    "source": "test",
+    "peak_flops": {"fp32": 1e21},
+    "memory_bandwidth": 1e21,
+    "memory_bytes": 1e12,
+    "link_bandwidth": 1e21,
+    "link_latency": 0.0,
+    "message_overhead": 0.0,
+}
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(model_config(TinySpec(), 1000)))
+    return tmp_path
+
+
+@pytest.mark.parametrize(
+    ("setup", "batch", "expected"),
+    [
+        ("plain", 4, ("tiny", Candidate(1, 0, 1, 4))),
+        ("plain wide", 16, ("wide", Candidate(1, 0, 1, 16))),
+        ("afd 1:1", 1, ("tiny", Candidate(1, 1, 1, 1))),
+        ("afd 2:1", 16, ("tiny", Candidate(2, 1, 1, 8))),  # 16 requests over 2 ranks
+        ("afd 1:2 gate-attn", 4, ("tiny", Candidate(1, 2, 1, 4))),
+        ("afd 1:1 stages=2", 16, ("tiny", Candidate(1, 1, 2, 16))),
+        ("afd 1:1 wide stages=2", 4, ("wide", Candidate(1, 1, 2, 4))),
+        ("plain (vLLM default threads)", 4, None),
+        ("afd 1:1 layered w8a8", 4, None),
+    ],
+)
+def test_bench_rows_map_to_candidates(
+    setup: str, batch: int, expected: tuple[str, Candidate] | None
+) -> None:
+    assert candidate_for(setup, batch) == expected
+
+
+def test_engine_overheads_solve_the_hand_computed_case(checkpoint: Path) -> None:
+    # Plain: 3.0 ms at batch 1, 4.5 ms at 16 -> 0.1 ms per sequence, 2.9 ms per step. The pair
+    # at batch 1: 3.0 ms of engine + 2 messages x 4 MoE layers x m = 5.4 ms -> m = 0.3 ms.
+    eng = EngineCalibration(str(checkpoint), 48, {1: 3.0e-3, 16: 4.5e-3}, 5.4e-3)
+    got = engine_overheads(INSTANT, eng)
+    assert got == pytest.approx(
+        {"step_overhead": 2.9e-3, "sequence_overhead": 0.1e-3, "message_overhead": 0.3e-3},
+        rel=1e-6,
+    )
+    # Measurements the layer terms and the engine already explain clamp at 0, never below.
+    clamped = engine_overheads(
+        INSTANT, EngineCalibration(str(checkpoint), 48, {1: 3e-3, 16: 2e-3}, 1e-3)
+    )
+    assert clamped["sequence_overhead"] == 0.0 and clamped["message_overhead"] == 0.0
+
+
+def test_the_comparison_prices_the_engine_and_the_exchange(checkpoint: Path) -> None:
+    hw = profile_from_mapping(
+        {**INSTANT, "step_overhead": 2.9e-3, "sequence_overhead": 0.1e-3, "message_overhead": 3e-4}
+    )
+    rows = [
+        {"setup": "plain", "batch": 4, "tpot_ms": 3.3},
+        {"setup": "afd 1:1", "batch": 4, "tpot_ms": 6.0},
+        {"setup": "afd 1:2 gate-attn", "batch": 4, "tpot_ms": 4.0},  # measured faster: misordered
+        {"setup": "plain (vLLM default threads)", "batch": 4, "tpot_ms": 9.0},  # not priced
+    ]
+    cmp = compare_with_plan(rows, {"tiny": checkpoint}, hw, max_tokens=48)
+    got = {(r.setup, r.batch): round(r.predicted_ms, 6) for r in cmp.rows}
+    # plain: 2.9 + 4 x 0.1; 1:1: + 4 layers x 2 x 0.3; 1:2: the Attention end posts 2 messages.
+    assert got == {("plain", 4): 3.3, ("afd 1:1", 4): 5.7, ("afd 1:2 gate-attn", 4): 8.1}
+    assert [r.within_target for r in cmp.rows] == [True, True, False]
+    assert cmp.misordered == (("afd 1:1 b=4", "afd 1:2 gate-attn b=4"),)
+    text = render_plan_comparison(cmp)
+    assert "2/3 rows within 25%" in text and "afd 1:1 b=4 vs afd 1:2 gate-attn b=4" in text
+    assert cmp.to_json()["within_target"] == 2
+    with pytest.raises(KeyError, match="checkpoints\\['wide'\\]"):
+        compare_with_plan(
+            [{"setup": "plain wide", "batch": 4, "tpot_ms": 1.0}], {}, hw, max_tokens=8
+        )
+
+
+def test_rows_within_five_percent_are_a_tie_not_an_order() -> None:
+    a = PlannedRow("x", 4, 10.0, 1.0, "link")
+    b = PlannedRow("y", 4, 10.4, 2.0, "link")  # measured 4 % apart: not compared
+    c = PlannedRow("z", 16, 5.0, 9.0, "link")  # another batch: not compared
+    assert _misordered([a, b, c]) == ()
+    assert a.error == pytest.approx(-0.9) and not a.within_target
+    assert PlannedRow("w", 1, 10.0, 10.0 * (1 + TARGET_ERROR), "link").within_target
