@@ -89,3 +89,23 @@ def in_thread(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
     thread = threading.Thread(target=run)
     thread.start()
     return thread, out
+
+
+def references(server: VLLMServer, model: str) -> tuple[list[tuple[int, ...]], tuple[int, ...]]:
+    """What an uninterrupted run answers: the demo prompts' 16 tokens each, and the long
+    prompt's :data:`LONG_TOKENS` (the request a fault interrupts)."""
+    long_tokens = complete(
+        server.base_url, DEMO_PROMPTS[0], model=model, max_tokens=LONG_TOKENS
+    ).token_ids
+    return tokens(server, model), long_tokens
+
+
+def start_long_request(server: VLLMServer, model: str) -> tuple[threading.Thread, dict[str, Any]]:
+    """The long prompt's request on a thread (see :func:`in_thread`), asserted still generating
+    two seconds later: a fault injected now lands mid-request."""
+    thread, out = in_thread(
+        lambda: complete(server.base_url, DEMO_PROMPTS[0], model=model, max_tokens=LONG_TOKENS)
+    )
+    time.sleep(2.0)
+    assert thread.is_alive(), f"the long request ended before the fault: {out}"
+    return thread, out

@@ -38,13 +38,14 @@ sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_ffn_loss import (
     GRACE_S,
     IDLE_DETECT_BOUND_S,
-    LONG_TOKENS,
     TIMEOUT_S,
     UNAVAILABLE,
     hold_metric,
     in_thread,
     post,
+    references,
     restart,
+    start_long_request,
     tokens,
     wait_health,
 )
@@ -77,18 +78,10 @@ def test_ffn_loss_holds_requests_resumes_them_and_fails_them_past_the_grace(
     try:
         wait_until_healthy([ffn, attention])
         model = served_model_id(attention.base_url)
-        reference = tokens(attention, model)
-        long_prompt = DEMO_PROMPTS[0]
-        long_reference = complete(
-            attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS
-        ).token_ids
+        reference, long_reference = references(attention, model)
 
         # -- 2. the FFN dies mid-request: held, then resumed with the same tokens -------------
-        long_thread, long_out = in_thread(
-            lambda: complete(attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS)
-        )
-        time.sleep(2.0)
-        assert long_thread.is_alive(), f"the long request ended before the kill: {long_out}"
+        long_thread, long_out = start_long_request(attention, model)
         ffn.kill()
         killed_at = time.monotonic()
         wait_health(attention, 503, TIMEOUT_S + 15.0)

@@ -29,10 +29,11 @@ from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_ffn_loss import (
     GRACE_S,
-    LONG_TOKENS,
     hold_metric,
     in_thread,
+    references,
     restart,
+    start_long_request,
     tokens,
     wait_health,
 )
@@ -70,17 +71,9 @@ def test_one_of_two_ffn_ranks_dies_mid_request_and_nothing_fails(
     try:
         wait_until_healthy([*ffns, attention])
         model = served_model_id(attention.base_url)
-        reference = tokens(attention, model)
-        long_prompt = DEMO_PROMPTS[0]
-        long_reference = complete(
-            attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS
-        ).token_ids
+        reference, long_reference = references(attention, model)
 
-        long_thread, long_out = in_thread(
-            lambda: complete(attention.base_url, long_prompt, model=model, max_tokens=LONG_TOKENS)
-        )
-        time.sleep(2.0)
-        assert long_thread.is_alive(), f"the long request ended before the kill: {long_out}"
+        long_thread, long_out = start_long_request(attention, model)
         victim.kill()
         killed_at = time.monotonic()
         wait_health(attention, 503, 60.0)
