@@ -110,10 +110,29 @@ def test_bench_cli_ffn_ranks(
     assert "afd bench: --ffn-ranks='1,two': expected comma-separated integers" in (
         capsys.readouterr().err
     )
+
     with pytest.raises(SystemExit) as err:
         cli.main(["bench", "--ffn-ranks", "0"])
     assert err.value.code == cli.EXIT_USAGE
     assert "afd bench: ffn_ranks=(0,): each must be >= 1" in capsys.readouterr().err
+
+
+def test_bench_compares_with_the_calibrated_profile_when_there_is_one(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[BenchConfig] = []
+    monkeypatch.setattr(cli, "missing_demo_modules", lambda command: [])
+    monkeypatch.setattr(bench, "run_bench", lambda cfg, progress: seen.append(cfg) or {})
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cli.main(["bench"]) == cli.EXIT_OK  # no calibrated profile: no comparison
+    assert cli.main(["bench", "--hardware", "cpu-2core"]) == cli.EXIT_OK
+    calibrated = tmp_path / "afd" / "profile.json"
+    calibrated.parent.mkdir()
+    from afd_plan.hardware import load_profile
+
+    calibrated.write_text(json.dumps(load_profile("cpu-2core").to_mapping()))
+    assert cli.main(["bench"]) == cli.EXIT_OK
+    assert [c.plan_profile for c in seen] == [None, "cpu-2core", calibrated]
 
 
 def test_gate_on_attention_ffn_ranks_always_start_with_the_reference() -> None:

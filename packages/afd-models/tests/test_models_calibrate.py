@@ -80,3 +80,11 @@ def test_profile_only_flags_are_refused_elsewhere(
         cli.main(argv)
     assert err.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_bad_bench_profile_is_refused_before_any_engine_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["bench", "--hardware", "no-such-device"]) == cli.EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "afd bench: error:" in err and "no-such-device" in err and "cpu-2core" in err

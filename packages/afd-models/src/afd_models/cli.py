@@ -480,12 +480,18 @@ def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error("afd bench: --quick goes with --profile")
     if not ns.engine:
         parser.error("afd bench: --no-engine goes with --profile")
-    plan_profile: str | Path | None = ns.hardware
-    if plan_profile is None:
-        from afd_plan.hardware import calibrated_profile_path
+    from afd_plan.errors import AFDPlanError
+    from afd_plan.hardware import calibrated_profile_path, load_profile
 
-        if calibrated_profile_path().is_file():
-            plan_profile = calibrated_profile_path()
+    plan_profile: str | Path | None = ns.hardware
+    if plan_profile is None and calibrated_profile_path().is_file():
+        plan_profile = calibrated_profile_path()
+    if plan_profile is not None:
+        try:
+            load_profile(plan_profile)  # refused now, not after the engines ran
+        except AFDPlanError as e:
+            print(f"afd bench: error: {e}", file=sys.stderr, flush=True)
+            return EXIT_USAGE
     from afd_models.demo.bench import BenchConfig, run_bench
     from afd_models.demo.servers import ServerError
 

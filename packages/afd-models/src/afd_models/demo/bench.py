@@ -19,7 +19,8 @@ One run measures, on this host:
   The stage deployments set vLLM's DBO token thresholds to 1 (``SPLIT_EVERY_STEP_ARGS``) so these
   small batches split at all (serving's defaults keep steps under 32 decode tokens whole). The
   same pair of rows is measured on the *wide* Qwen3-MoE (hidden 1024, 96 MiB of experts per MoE
-  layer: weight-bound like a real model) with its own one-stage row and raw round trip;
+  layer: weight-bound like a real model) with its own one-stage row, raw round trip and plain
+  vLLM row (``plain wide``);
 * unless :attr:`BenchConfig.quantized` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
   the FFN rank's quantized computes (:data:`QUANTIZED_SETUPS`: Layered on W8A8 experts, Mega on
   W4A8 per-channel experts) at each batch size, against the native fp32 ``afd 1:1`` row and
@@ -27,6 +28,9 @@ One run measures, on this host:
   same experts in bf16 (its ``afd_ffn_quantized_*`` metrics; their absence fails the run: the
   rank did not compute quantized). Every counter is read from the servers' ``/metrics`` after the
   last measurement, before they stop.
+
+With :attr:`BenchConfig.plan_profile` every TPOT row is also predicted by afd-plan on that
+profile (:mod:`afd_models.demo.bench_plan`): the result's ``"plan"``, printed last.
 
 TPOT of one request is ``(t_last - t_first) / (max_tokens - 1)`` over its streamed chunks (the
 decode phase only: prefill is before the first chunk); ``batch`` requests start together and run

@@ -14,17 +14,16 @@ what each role gets under ``afd bench``'s placement):
   the P2P connector's data group is on one host): half the small-message round trip is
   ``link_latency``; the large message's extra time gives ``link_bandwidth``.
 * **Wake-up**: a thread handing an event to another and waiting for the answer (what a stage
-  turn and an FFN service reply cost beyond the bytes): half its round trip is
-  ``message_overhead``.
+  turn and an FFN service reply cost beyond the bytes): half its round trip, the profile's
+  ``message_overhead`` when the engine runs below are skipped.
 * ``memory_bytes``: this host's RAM.
-* **Engine software** (unless ``engine=False``): vLLM itself on the tiny Qwen3-MoE, with the
+* **Engine software** (:func:`measure_engine`, unless ``--no-engine``): vLLM itself on the tiny Qwen3-MoE, with the
   thread placement ``afd bench`` uses: plain vLLM at batch 1 and 16 and an AFD pair (1:1, gate
   on FFN) at batch 1, each a median TPOT. What the model's layer terms (on the rates above) do
   not explain is the engine's: the plain runs give ``step_overhead`` (per decode step) and
   ``sequence_overhead`` (per sequence per step), the pair's excess over plain gives
   ``message_overhead`` (the software cost of one message of the AFD exchange: the proxy, the
   connector, the FFN service loop and the wake-ups of both roles; two per MoE layer at 1:1).
-  Without the engine runs ``message_overhead`` is the thread wake-up.
 
 The written profile validates with :func:`afd_plan.profile_from_mapping` before it is written;
 ``afd plan`` uses the file at :func:`afd_plan.calibrated_profile_path` by default.
