@@ -4,14 +4,18 @@ a restarted FFN server, the Attention role's hold metrics."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
+import pytest
 import requests
 from afd_models.demo.client import complete
-from afd_models.demo.servers import VLLMServer
-from afd_models.demo.tiny import DEMO_PROMPTS
+from afd_models.demo.servers import EngineOptions, VLLMServer, afd_servers
+from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
 
 TIMEOUT_S = 30.0  # the AFD config's timeout_s (every wait inside a step)
 GRACE_S = 60.0  # AFDConfig.ffn_loss_grace_s's default (the deployment does not set it)
@@ -109,3 +113,30 @@ def start_long_request(server: VLLMServer, model: str) -> tuple[threading.Thread
     time.sleep(2.0)
     assert thread.is_alive(), f"the long request ended before the fault: {out}"
     return thread, out
+
+
+def tiny_qwen3_deployment(
+    tmp_path_factory: pytest.TempPathFactory,
+    *,
+    prefix: str,
+    num_ffn_ranks: int,
+    gate_on_attention: bool,
+    afd_extra: Mapping[str, Any] | None = None,
+) -> tuple[VLLMServer, tuple[VLLMServer, ...]]:
+    """One Attention rank and ``num_ffn_ranks`` FFN ranks on the tiny Qwen3-MoE (float32, eager),
+    not started; checkpoint from ``$AFD_TINY_CACHE``, logs in ``$AFD_E2E_LOG_DIR`` (default:
+    pytest's tmp dirs)."""
+    cache = os.environ.get("AFD_TINY_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    log_env = os.environ.get("AFD_E2E_LOG_DIR")
+    return afd_servers(
+        ensure_tiny_checkpoint(TinySpec("qwen3_moe"), root),
+        log_dir=Path(log_env) if log_env else tmp_path_factory.getbasetemp() / "engine-logs",
+        options=EngineOptions(dtype="float32", enforce_eager=True, max_model_len=1024),
+        num_attention_ranks=1,
+        num_ffn_ranks=num_ffn_ranks,
+        gate_on_attention=gate_on_attention,
+        afd_extra=afd_extra,
+        prefix=prefix,
+        progress=print,
+    )

@@ -20,7 +20,6 @@ back.
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -31,8 +30,8 @@ pytest.importorskip("vllm")
 pytest.importorskip("requests")
 
 from afd_models.demo.client import complete, served_model_id
-from afd_models.demo.servers import EngineOptions, afd_servers, stop_all, wait_until_healthy
-from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+from afd_models.demo.servers import stop_all, wait_until_healthy
+from afd_models.demo.tiny import DEMO_PROMPTS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_ffn_loss import (
@@ -46,6 +45,7 @@ from afd_models_ffn_loss import (
     references,
     restart,
     start_long_request,
+    tiny_qwen3_deployment,
     tokens,
     wait_health,
 )
@@ -57,20 +57,12 @@ pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
 def test_ffn_loss_holds_requests_resumes_them_and_fails_them_past_the_grace(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    cache = os.environ.get("AFD_TINY_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
-    model_path = ensure_tiny_checkpoint(TinySpec("qwen3_moe"), root)
-    log_env = os.environ.get("AFD_E2E_LOG_DIR")
-    log_dir = Path(log_env) if log_env else tmp_path_factory.getbasetemp() / "engine-logs"
-    attention, (ffn,) = afd_servers(
-        model_path,
-        log_dir=log_dir,
-        options=EngineOptions(dtype="float32", enforce_eager=True, max_model_len=1024),
-        num_attention_ranks=1,
+    attention, (ffn,) = tiny_qwen3_deployment(
+        tmp_path_factory,
+        prefix="ffn-loss",
+        num_ffn_ranks=1,
         gate_on_attention=False,
         afd_extra={"timeout_s": TIMEOUT_S},
-        prefix="ffn-loss",
-        progress=print,
     )
     ffns = [ffn]
     ffn.start()

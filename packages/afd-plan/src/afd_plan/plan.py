@@ -18,8 +18,8 @@ not free: each micro-batch re-reads the weights, so a weight-bound ``t_f(b/S)`` 
 ``t_f(b)`` and ``S * t_f`` grows with ``S``.
 
 Dense layers run attention + MLP on the Attention rank: ``S * (t_a + t_mlp)`` at ``b / S``; the
-LM head ``S * t_head(b / S)``. ``TPOT = L_dense * dense + L_moe * P + head + engine``, each layer priced
-with its own attention (Qwen3.5-MoE mixes full and linear attention layers).
+LM head ``S * t_head(b / S)``. ``TPOT = L_dense * dense + L_moe * P + head + engine``, each
+layer priced with its own attention (Qwen3.5-MoE mixes full and linear attention layers).
 
 **Colocated baseline** (``N`` devices, attention data parallel, experts split ``E / N`` per
 device, dispatch and combine all-to-all per MoE layer, as vLLM's expert parallelism): per

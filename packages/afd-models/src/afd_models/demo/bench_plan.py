@@ -55,7 +55,7 @@ PROMPT_TOKENS: Final[int] = 6
 TARGET_ERROR: Final[float] = 0.25
 
 _SETUP = re.compile(
-    r"^(?:(?P<plain>plain)|afd (?P<a>\d+):(?P<f>\d+)(?P<gate> gate-attn)?)"
+    r"^(?:(?P<plain>plain)|afd (?P<a>\d+):(?P<f>\d+)(?: gate-attn)?)"
     r"(?P<wide> wide)?(?: stages=(?P<s>\d+))?$"
 )
 
