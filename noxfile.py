@@ -66,6 +66,22 @@ def _sync(session: nox.Session, *args: str, bytecode: bool = True) -> None:
     )
 
 
+#: Each pytest session's JUnit report (read back by the ``failures`` session).
+REPORTS = ROOT / ".nox-reports"
+
+
+def _pytest(session: nox.Session, *args: str) -> None:
+    """Run pytest with a JUnit report at ``.nox-reports/<session>.xml`` (replaced each run)."""
+    REPORTS.mkdir(exist_ok=True)
+    report = REPORTS / f"{_slug(session.name)}.xml"
+    report.unlink(missing_ok=True)
+    session.run("pytest", *args, f"--junitxml={report}", *session.posargs)
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip("_")
+
+
 @nox.session(python=PYTHON, tags=["cpu"])
 @nox.parametrize("package", list(PACKAGES))
 def tests(session: nox.Session, package: str) -> None:
@@ -80,20 +96,14 @@ def tests(session: nox.Session, package: str) -> None:
             "import importlib.util as u, sys; "
             "sys.exit('vllm must not be installed here' if u.find_spec('vllm') else 0)",
         )
-    session.run("pytest", str(PACKAGES[package] / "tests"), "-m", CPU_MARKERS, *session.posargs)
+    _pytest(session, str(PACKAGES[package] / "tests"), "-m", CPU_MARKERS)
 
 
 @nox.session(python=PYTHON, tags=["cpu"])
 def tests_with_vllm(session: nox.Session) -> None:
     """The packages below afd-runtime, tested again beside vLLM CPU (all packages installed)."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
-    session.run(
-        "pytest",
-        *(str(PACKAGES[p] / "tests") for p in LOWER_PACKAGES),
-        "-m",
-        CPU_MARKERS,
-        *session.posargs,
-    )
+    _pytest(session, *(str(PACKAGES[p] / "tests") for p in LOWER_PACKAGES), "-m", CPU_MARKERS)
 
 
 @nox.session(python=PYTHON, tags=["cpu"])
@@ -118,7 +128,7 @@ def boundaries(session: nox.Session) -> None:
             "--known-first-party",
             module,
         )
-    session.run("pytest", "tools/tests", *session.posargs)
+    _pytest(session, "tools/tests")
 
 
 @nox.session(python=PYTHON, tags=["cpu"])
@@ -186,14 +196,14 @@ def build(session: nox.Session) -> None:
 def e2e(session: nox.Session) -> None:
     """End-to-end: real `vllm serve` engines on CPU, AFD roles against plain vLLM (marker e2e)."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
-    session.run("pytest", "packages", "-m", "e2e", *session.posargs)
+    _pytest(session, "packages", "-m", "e2e")
 
 
 @nox.session(python=PYTHON, tags=["cpu", "faults"])
 def faults(session: nox.Session) -> None:
     """Faults, shutdown, bad input and access on real `vllm serve` engines (marker faults)."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
-    session.run("pytest", "packages", "-m", "faults", *session.posargs)
+    _pytest(session, "packages", "-m", "faults")
 
 
 @nox.session(python=PYTHON, tags=["cpu", "load"])
@@ -202,7 +212,17 @@ def load(session: nox.Session) -> None:
     zero failures, then token parity with plain vLLM; marker load). Writes
     packages/afd-models/benchmarks/results/load.json."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
-    session.run("pytest", "packages", "-m", "load", *session.posargs)
+    _pytest(session, "packages", "-m", "load")
+
+
+@nox.session(python=PYTHON, tags=["cpu"], venv_backend="none")
+def failures(session: nox.Session) -> None:
+    """Runs last: lists the failed tests of the sessions' JUnit reports (``.nox-reports/``) with
+    the end of each failure's text, so the end of a long log (CI keeps its tail) names them.
+    Reports are those of each session's latest run; this session itself never fails."""
+    session.run(
+        sys.executable, str(ROOT / "tools" / "junit_failures.py"), str(REPORTS), external=True
+    )
 
 
 @nox.session(python=PYTHON, default=False, tags=["bench"])

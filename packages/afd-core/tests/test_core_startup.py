@@ -16,6 +16,7 @@ from afd_core.session.startup import (
     clear_startup_cancel,
     open_tcp_store,
     startup_cancel_reason,
+    startup_cancel_scope,
 )
 
 
@@ -153,6 +154,76 @@ def test_cancel_unblocks_a_store_client_waiting_for_its_server(no_cancel: None) 
         open_tcp_store("127.0.0.1", port, is_master=False, timeout_s=60.0)
     assert 0.9 < time.monotonic() - t0 < 5.0
     assert err.value.stage == "connect"
+
+
+def test_a_cancel_scope_ends_only_its_own_threads_waits(no_cancel: None) -> None:
+    """Setting a scope's event ends the waits of the thread inside the scope, naming the stage
+    and the scope's reason; another thread's wait on the same store, and the process-wide
+    cancellation, are untouched; leaving the scope restores the outer one."""
+    c0, c1, c2 = coords(3, timeout_s=30.0)
+    closing = threading.Event()
+    out: dict[str, object] = {}
+
+    def scoped() -> None:
+        with startup_cancel_scope(closing, "the link closed"):
+            try:
+                c0.wait_ready("handshake", ranks=[2])
+            except AFDCancelledError as err:
+                out["scoped"] = (err.stage, err.reason, time.monotonic())
+        check_startup_cancelled("after")  # outside the scope: not cancelled
+        out["after"] = True
+
+    def unscoped() -> None:
+        c1.wait_ready("handshake", ranks=[2])
+        out["unscoped"] = time.monotonic()
+
+    threads = [threading.Thread(target=scoped), threading.Thread(target=unscoped)]
+    for t in threads:
+        t.start()
+    time.sleep(0.3)
+    set_at = time.monotonic()
+    closing.set()
+    threads[0].join(5.0)
+    assert not threads[0].is_alive()
+    stage, reason, at = out["scoped"]  # type: ignore[misc]
+    assert (stage, reason) == ("handshake", "the link closed")
+    assert at - set_at < 2.0
+    assert out["after"] is True
+    assert startup_cancel_reason() is None
+    assert threads[1].is_alive()  # still waiting: only the scoped thread was cancelled
+    c2.publish_ready("handshake")
+    threads[1].join(5.0)
+    assert "unscoped" in out
+
+
+def test_cancel_scopes_nest_and_the_innermost_applies(no_cancel: None) -> None:
+    outer, inner = threading.Event(), threading.Event()
+    with startup_cancel_scope(outer, "outer"):
+        with startup_cancel_scope(inner, "inner"):
+            outer.set()
+            check_startup_cancelled("s")  # the inner scope's event is not set
+            inner.set()
+            with pytest.raises(AFDCancelledError, match="'s': inner"):
+                check_startup_cancelled("s")
+        with pytest.raises(AFDCancelledError, match="'s': outer"):
+            check_startup_cancelled("s")
+    check_startup_cancelled("s")
+
+
+def test_a_claim_waiting_for_a_round_is_cancelled(no_cancel: None) -> None:
+    """A rank other than 0 waits in ``claim`` for world rank 0's round; cancellation ends that
+    wait within one poll (it was bounded only by the startup deadline)."""
+    from afd_core.session.rounds import claim_round
+
+    closing = threading.Event()
+    threading.Timer(0.5, closing.set).start()
+    t0 = time.monotonic()
+    with startup_cancel_scope(closing, "stopped"), pytest.raises(AFDCancelledError) as err:
+        claim_round(
+            dist.HashStore(), 1, time.monotonic() + 30.0, who="ffn 0", startup_timeout_s=30.0
+        )
+    assert err.value.stage == "claim"
+    assert time.monotonic() - t0 < 5.0
 
 
 def test_store_client_connects_once_its_server_appears(no_cancel: None) -> None:

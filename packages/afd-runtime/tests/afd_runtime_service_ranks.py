@@ -481,5 +481,10 @@ def staying_attention_main(port: int, q: Any) -> None:
     while time.monotonic() < deadline and link.health() is None:
         time.sleep(0.05)
     down = link.health()
+    # The supervisor now initialises the connector again, waiting for the FFN rank to return;
+    # close() must end that wait and the thread (an exit with the thread inside a store call
+    # aborted the process: exit code -6, seen in CI).
+    time.sleep(0.3)
+    reconnecting = link.is_supervising
     link.close()
-    q.put(("attention", down, None, None, None))
+    q.put(("attention", down, reconnecting, link.is_supervising, None))

@@ -7,6 +7,7 @@ import itertools
 import queue
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -318,6 +319,24 @@ def test_an_idle_ffn_stopped_first_ends_its_service_thread_and_exits_zero() -> N
     steps, ended, failed, stopped_in = out["ffn"]
     assert (steps, ended, failed) == (len(ranks.LEAVE_STEPS), True, False)
     assert stopped_in < 6.0  # about two heartbeats, not FFN_LEAVE_JOIN_S
-    down = out["attention"][0]
+    down, reconnecting, supervising_after_close = out["attention"][:3]
     assert down is not None and "goodbye" in down, down
+    assert reconnecting is True and supervising_after_close is False
     assert [p.exitcode for p in procs] == [0, 0]
+
+
+@pytest.mark.timeout(60)
+def test_stop_ends_an_ffn_service_waiting_for_its_attention_role() -> None:
+    """No Attention role ever comes: the FFN service thread waits in its connector's startup
+    (a real store wait, P2P, 60 s bound). ``stop()`` cancels that wait and returns with the
+    thread ended, without an error (before, it returned at once and left the thread waiting
+    inside the store client until the process exited)."""
+    cfg = ranks.config("ffn", free_port(), startup_timeout_s=60.0, connector="p2p")
+    svc = FFNService(cfg, 0, ranks.LAYERS, lambda *a: a[1], lambda: ranks.connector(cfg, 0))
+    svc.start()
+    time.sleep(1.5)
+    t0 = time.monotonic()
+    svc.stop()
+    assert svc.wait(0.0), "stop() returned with the service thread still waiting"
+    assert time.monotonic() - t0 < 4.0
+    assert not svc.failed and svc.deployments == 0

@@ -15,7 +15,11 @@ connector after the first ``init`` and keeps these invariants:
   runs on the new connection.
 * :meth:`AttentionLink.health` is ``None`` while up and the reason while down (the Attention
   server's ``/health`` answers 503 then, see :mod:`afd_runtime.ffn_loss`).
-* :meth:`AttentionLink.close` says goodbye to a connected FFN role and is idempotent.
+* :meth:`AttentionLink.close` says goodbye to a connected FFN role, ends a reconnection
+  attempt in progress (its startup waits are cancelled, :func:`~afd_core.session.startup.
+  startup_cancel_scope`) and waits for the supervisor thread (at most :data:`CLOSE_JOIN_S`), so
+  the process never exits with that thread inside a store call (a thread woken there while the
+  interpreter finalizes aborts the process: exit code -6, "terminate called"). Idempotent.
 
 An error raised inside a step without a connector failure (a bug, bad input) passes through
 unchanged: only what the FFN role caused is turned into :class:`AFDFFNUnavailableError`.
@@ -29,8 +33,9 @@ import threading
 from collections.abc import Callable, Iterator
 
 from afd_core.connector import AFDConnectorBase
-from afd_core.errors import AFDConnectorError, AFDPeerError
+from afd_core.errors import AFDCancelledError, AFDConnectorError, AFDPeerError
 from afd_core.metadata import AFDControlMessage
+from afd_core.session.startup import startup_cancel_scope
 
 from afd_runtime.metrics import RoleMetrics
 
@@ -40,6 +45,9 @@ logger = logging.getLogger(__name__)
 RECONNECT_RETRY_S = 1.0
 #: How often the supervisor looks at the connector while the link is up.
 SUPERVISE_POLL_S = 1.0
+#: How long :meth:`AttentionLink.close` waits for the supervisor thread to end (one look at the
+#: connector, or one poll of a cancelled reconnection's wait, takes far less).
+CLOSE_JOIN_S = 5.0
 
 
 class AFDFFNUnavailableError(AFDPeerError):
@@ -103,10 +111,12 @@ class AttentionLink:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop supervising; say goodbye if connected; close the connector (idempotent).
+        """Stop supervising; say goodbye if connected; close the connector; wait for the
+        supervisor thread (idempotent).
 
-        A reconnection attempt in progress is not interrupted (it ends with its own bound, in a
-        daemon thread); the connector is then left to it."""
+        A reconnection attempt in progress ends within one poll of its startup wait (cancelled
+        through :func:`~afd_core.session.startup.startup_cancel_scope`) and closes its
+        connector."""
         if self._closing.is_set():
             return
         self._closing.set()
@@ -121,8 +131,23 @@ class AttentionLink:
                 say_goodbye(self.connector)
         finally:
             self._lock.release()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_JOIN_S)
+            if thread.is_alive():
+                logger.warning(
+                    "AFD Attention %s: the link's supervisor did not end within %.0fs of close",
+                    self.name,
+                    CLOSE_JOIN_S,
+                )
 
     # -- state -----------------------------------------------------------------------------
+
+    @property
+    def is_supervising(self) -> bool:
+        """True while the supervisor thread runs (watching, or reconnecting)."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
 
     @property
     def is_up(self) -> bool:
@@ -186,7 +211,11 @@ class AttentionLink:
         while not self._closing.is_set():
             attempts += 1
             try:
-                self.connector.init()
+                with startup_cancel_scope(self._closing, "the Attention link closed"):
+                    self.connector.init()
+            except AFDCancelledError:
+                self.connector.close()
+                return False
             except AFDConnectorError as exc:
                 self.connector.close()
                 if attempts == 1 or attempts % 30 == 0:
@@ -199,6 +228,9 @@ class AttentionLink:
                 self._closing.wait(RECONNECT_RETRY_S)
                 continue
             with self._lock:
+                if self._closing.is_set():  # closed while the last wait ended: leave cleanly
+                    say_goodbye(self.connector)
+                    return False
                 self._down = None
             self.reconnects += 1
             self.metrics.reconnects.inc()

@@ -42,7 +42,10 @@ Lifecycle and failures:
   (:meth:`afd_core.connector.AFDConnectorBase.abort`), so the Attention ranks' waits fail at once
   with this rank's error text, and then re-raised by :meth:`FFNService.raise_if_failed`.
 * A startup cancelled by SIGTERM/SIGINT (:class:`afd_core.errors.AFDCancelledError`, see
-  :mod:`afd_runtime.signals`) ends the loop without an error.
+  :mod:`afd_runtime.signals`) ends the loop without an error, and so does :meth:`FFNService.stop`
+  while the thread waits for an Attention deployment (its startup waits run in a
+  :func:`~afd_core.session.startup.startup_cancel_scope` of the stop event; ``stop`` waits for
+  the thread to end).
 * :meth:`FFNService.stop` is idempotent. The transport cannot cancel a wait, so a thread
   blocked waiting for the next control message is ended by the peers: the rank announces its
   leave, the Attention ranks close their side within about two heartbeats, and the wait ends
@@ -70,6 +73,7 @@ from afd_core.errors import (
     AFDTimeoutError,
 )
 from afd_core.metadata import AFDControlMessage, AFDPayload
+from afd_core.session.startup import startup_cancel_scope
 from afd_core.topology import AFDTopology
 
 from afd_runtime.compute import BindingFFNCompute, FFNCompute, SteppedFFNCompute
@@ -216,7 +220,8 @@ class FFNService:
     def stop(self) -> None:
         """Ask the thread to stop and wait for it (idempotent; see the module docstring).
 
-        A step in progress is waited for up to :data:`FFN_STOP_JOIN_S`; a thread blocked
+        A step in progress, and a wait for an Attention deployment (cancelled within one poll),
+        are waited for up to :data:`FFN_STOP_JOIN_S`; a thread blocked
         waiting for the next control message is ended by its peers: this rank announces its
         leave (:meth:`~afd_core.connector.AFDConnectorBase.announce_leave`), the Attention
         ranks close their side, the wait ends as a lost peer, and the thread closes its
@@ -229,9 +234,10 @@ class FFNService:
         if t is None:
             return
         connector = self._connector
-        if not self._idle.is_set():
+        if not self._idle.is_set() or connector is None:
+            # A step in progress, or a wait for an Attention deployment (cancelled by _stop).
             t.join(FFN_STOP_JOIN_S)
-        elif connector is not None and connector.announce_leave():
+        elif connector.announce_leave():
             t.join(FFN_LEAVE_JOIN_S)
             if t.is_alive():
                 logger.warning(
@@ -287,11 +293,12 @@ class FFNService:
             connector = self._factory()
             self._idle.set()
             try:
-                connector.open_groups()
-                self._bind(connector)
-                connector.confirm_ready()
+                with startup_cancel_scope(self._stop, "the FFN service stopped"):
+                    connector.open_groups()
+                    self._bind(connector)
+                    connector.confirm_ready()
             except AFDCancelledError as exc:
-                # SIGTERM/SIGINT while waiting for the Attention role: stop, not a failure.
+                # SIGTERM/SIGINT or stop() while waiting for the Attention role: not a failure.
                 connector.close()
                 logger.info("AFD FFN rank %d: %s", self.ffn_rank, exc)
                 return None

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from afd_core.errors import AFDRankServedError, AFDStartupError, AFDTimeoutError
+from afd_core.session.startup import check_startup_cancelled
 
 __all__ = ["ROUND_KEY", "claim_round", "current_round", "round_prefix"]
 
@@ -45,6 +46,7 @@ def claim_round(
     heartbeat while they serve; a claim then found taken is checked for a live holder.
 
     Raises:
+        AFDCancelledError: startup was cancelled while waiting (checked every poll).
         AFDTimeoutError: world rank 0 opened no round before ``deadline``.
         AFDRankServedError: the rank is claimed in the newest round and its heartbeat moves
             (``served_by`` given): a live process serves it.
@@ -57,6 +59,7 @@ def claim_round(
         return number
     number = 0
     while True:
+        check_startup_cancelled("claim")
         current = int(root.add(ROUND_KEY, 0))
         if current > number:
             number = current

@@ -18,17 +18,22 @@ Invariants:
   string, so it is safe in a signal handler) makes every startup wait of this process that
   checks it -- each poll of :meth:`StartupCoordinator.wait_keys` (so every barrier), and the
   client's connection retries in :func:`open_tcp_store` -- raise :class:`AFDCancelledError`
-  within one poll interval. It stays set until :func:`clear_startup_cancel`. The blocking
+  within one poll interval. It stays set until :func:`clear_startup_cancel`.
+  :func:`startup_cancel_scope` does the same for one thread's waits while an event is set (an
+  object that owns a reconnecting thread -- the Attention link, the FFN service -- ends that
+  thread's wait when it closes, without cancelling the rest of the process). The blocking
   C++ calls in between (one store operation, a process group's creation once every rank is
   present) are not interruptible; each is bounded by its own timeout.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,6 +50,7 @@ __all__ = [
     "clear_startup_cancel",
     "open_tcp_store",
     "startup_cancel_reason",
+    "startup_cancel_scope",
 ]
 
 
@@ -83,9 +89,35 @@ def clear_startup_cancel() -> None:
     _CANCEL_REASON = None
 
 
+#: The calling thread's scoped cancellation, ``(event, reason)`` (see startup_cancel_scope).
+_SCOPE = threading.local()
+
+
+@contextlib.contextmanager
+def startup_cancel_scope(event: threading.Event, reason: str) -> Iterator[None]:
+    """Inside the block, the calling thread's startup waits also raise
+    :class:`AFDCancelledError` (with ``reason``) within one poll once ``event`` is set.
+
+    For a thread that (re)initialises a connector on behalf of an object that may close
+    meanwhile: closing sets ``event`` and joins the thread, so the process never exits with the
+    thread inside a store call (a thread woken there while the interpreter finalizes aborts
+    the process). Scopes nest; the innermost one applies."""
+    previous = getattr(_SCOPE, "current", None)
+    _SCOPE.current = (event, str(reason) or "cancelled")
+    try:
+        yield
+    finally:
+        _SCOPE.current = previous
+
+
 def check_startup_cancelled(stage: str) -> None:
-    """Raise :class:`AFDCancelledError` naming ``stage`` if startup was cancelled."""
+    """Raise :class:`AFDCancelledError` naming ``stage`` if startup was cancelled (in this
+    process, or in the calling thread's :func:`startup_cancel_scope`)."""
     reason = _CANCEL_REASON
+    if reason is None:
+        scope = getattr(_SCOPE, "current", None)
+        if scope is not None and scope[0].is_set():
+            reason = scope[1]
     if reason is not None:
         raise AFDCancelledError(stage, reason)
 
