@@ -603,6 +603,8 @@ def test_run_bench_measures_two_stages_against_one_at_batches_of_two_or_more(
         ("afd 1:1 stages=2", 16),
         ("plain wide", 4),  # the wide model's plain reference (afd plan's calibration check)
         ("plain wide", 16),
+        ("plain wide (vLLM default threads)", 4),  # every core: the break-even reference
+        ("plain wide (vLLM default threads)", 16),
         ("afd 1:1 wide", 4),
         ("afd 1:1 wide", 16),
         ("afd 1:1 wide stages=2", 4),

@@ -36,7 +36,9 @@ def test_the_profile_takes_the_best_gemm_rate_and_the_large_copys_bandwidth() ->
     assert profile["message_overhead"] == 8e-6
     assert profile["memory_bytes"] == float(24 << 30)
     assert profile["compute_efficiency"] == profile["memory_efficiency"] == 1.0
-    assert profile_from_mapping(profile, origin="test").name == "calibrated"  # a valid profile
+    loaded = profile_from_mapping(profile, origin="test")  # a valid profile
+    assert loaded.name == "calibrated"
+    assert loaded.messages_use_compute is True  # a CPU host: the exchange runs on the cores
 
 
 @pytest.mark.timeout(300)

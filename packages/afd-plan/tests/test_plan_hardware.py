@@ -45,6 +45,15 @@ def test_json_and_toml_files(tmp_path: Path) -> None:
     assert load_profile(tmp_path / "p.json").memory_bandwidth == 1e11
 
 
+def test_messages_use_compute_defaults_off_and_round_trips(tmp_path: Path) -> None:
+    assert profile_from_mapping(ROUND_DEVICE).messages_use_compute is False
+    host = profile_from_mapping({**ROUND_DEVICE, "messages_use_compute": True})
+    assert host.messages_use_compute is True
+    (tmp_path / "host.json").write_text(json.dumps(host.to_mapping()))
+    assert load_profile(tmp_path / "host.json") == host
+    assert "messages_use_compute" not in profile_from_mapping(ROUND_DEVICE).to_mapping()
+
+
 @pytest.mark.parametrize(
     ("change", "field", "allowed"),
     [
@@ -58,6 +67,8 @@ def test_json_and_toml_files(tmp_path: Path) -> None:
         ({"peak_flops": {"int8": 1e15}}, "peak_flops", "bf16, fp16 or fp32"),
         ({"colour": "green"}, "colour", "a key among"),
         ({"name": ""}, "name", "non-empty"),
+        ({"messages_use_compute": 1}, "messages_use_compute", "true or false"),
+        ({"messages_use_compute": "yes"}, "messages_use_compute", "true or false"),
     ],
 )
 def test_bad_profile_field_is_named(change: dict[str, Any], field: str, allowed: str) -> None:

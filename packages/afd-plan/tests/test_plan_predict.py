@@ -79,6 +79,40 @@ def test_two_stages_overlap_compute_bound_roles(tiny: ModelShape, device: Hardwa
     assert two.binding == "attention compute"
 
 
+def test_messages_on_the_roles_compute_are_not_hidden_by_stages(
+    tiny: ModelShape, device: HardwareProfile
+) -> None:
+    """``messages_use_compute`` (a CPU host): each role's busy time holds its own messages both
+    ways; the link keeps only the wire."""
+    work = Workload(input_len=1, output_len=1, routing="balanced")
+    slow = device.with_overrides(link_latency=0, message_overhead=5e-6, link_bandwidth=1e15)
+    host = slow.with_overrides(messages_use_compute=True)
+    # b=2000, S=2: per micro-batch t_a 24.96 us, t_f 24.576 us (as above); one direction
+    # t_c = 5 us + 1000 tokens * 128 B / 1e15 = 5.000128 us.
+    # Device: P = max(49.92, 49.152, 2 * 5.000128, chain 24.96 + 24.576 + 2 * 5.000128)
+    #           = 59.536256 us (the chain).
+    dev = predict(tiny, work, slow, Candidate(1, 1, 2, 2000))
+    assert dev.moe_layer.period == pytest.approx(59.536256e-6, rel=1e-6)
+    # Host: attention 2 * (24.96 + 2 * 5) = 69.92 us, FFN 2 * (24.576 + 10) = 69.152 us, link
+    # 2 * 0.000128 us: P = 69.92 us, the stages hide nothing of the messages.
+    on_host = predict(tiny, work, host, Candidate(1, 1, 2, 2000))
+    assert on_host.moe_layer.period == pytest.approx(69.92e-6, rel=1e-6)
+    assert on_host.binding == "attention compute"
+    # One stage, either profile: the chain 49.92 + 49.152 + 2 * 5.000256 = 109.072512 us.
+    for profile in (slow, host):
+        one = predict(tiny, work, profile, Candidate(1, 1, 1, 2000))
+        assert one.moe_layer.period == pytest.approx(109.072512e-6, rel=1e-6)
+
+
+def test_a_role_busy_with_its_messages_is_named(tiny: ModelShape, device: HardwareProfile) -> None:
+    host = device.with_overrides(link_latency=0, messages_use_compute=True)
+    # mb = 1 (b=2, S=2): t_a 0.25984 us, t_f 0.24576 us, m = 1 us, wire 12.8 ns.
+    # attention 2 * (0.25984 + 2) = 4.51968 us > FFN 4.49152 > chain 2.5312 > link 0.0256.
+    p = predict(tiny, W, host, Candidate(1, 1, 2, 2))
+    assert p.moe_layer.period == pytest.approx(4.51968e-6)
+    assert p.binding == "attention messages"
+
+
 def test_colocated_baseline(tiny: ModelShape, device: HardwareProfile) -> None:
     # EP2, b=2: t_a 273.92 ns; experts for 4 tokens over 2 ranks: 4 pairs on the busiest ->
     # 4 experts, 49152 B -> 491.52 ns; all-to-all: fanout 1.5, remote 0.75 -> 192 B:

@@ -30,6 +30,10 @@ key                        meaning                                              
                            (default 0)
 ``sequence_overhead``      software time per sequence per decode step (sampling,   >= 0
                            output processing, streaming), s (default 0)
+``messages_use_compute``   a message's software cost runs on the role's own        true/false
+                           compute (a CPU host: the cores that compute also post
+                           and complete messages), so stages cannot hide it
+                           (default false: a host CPU posts, the device computes)
 ``description``            free text (optional)                                    any string
 =========================  ======================================================  ==========
 
@@ -125,6 +129,7 @@ class HardwareProfile:
     step_overhead: float = 0.0
     sequence_overhead: float = 0.0
     kv_efficiency: float = 0.0
+    messages_use_compute: bool = False
     description: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -163,8 +168,8 @@ class HardwareProfile:
     def usable_memory(self) -> float:
         return self.memory_bytes * self.memory_usable_fraction
 
-    def with_overrides(self, **changes: float) -> HardwareProfile:
-        """A copy with some numeric fields replaced, validated like a loaded profile."""
+    def with_overrides(self, **changes: float | bool) -> HardwareProfile:
+        """A copy with some fields replaced, validated like a loaded profile."""
         data = self.to_mapping()
         data.update(changes)
         return profile_from_mapping(data, origin=f"{self.name} (overridden)")
@@ -188,6 +193,7 @@ class HardwareProfile:
             "step_overhead": self.step_overhead,
             "sequence_overhead": self.sequence_overhead,
             **({"kv_efficiency": self.kv_efficiency} if self.kv_efficiency else {}),
+            **({"messages_use_compute": True} if self.messages_use_compute else {}),
         }
 
 
@@ -223,7 +229,7 @@ def load_profile(spec: str | Path) -> HardwareProfile:
 
 def profile_from_mapping(data: Mapping[str, Any], *, origin: str = "profile") -> HardwareProfile:
     """Validate a parsed profile; every error names ``<origin>:<key>``, the value and the range."""
-    allowed_keys = {*_REQUIRED, *_OPTIONAL, "description"}
+    allowed_keys = {*_REQUIRED, *_OPTIONAL, "description", "messages_use_compute"}
     for key in data:
         if key not in allowed_keys:
             raise AFDPlanError(f"{origin}:{key}", data[key], f"a key among {sorted(allowed_keys)}")
@@ -236,6 +242,9 @@ def profile_from_mapping(data: Mapping[str, Any], *, origin: str = "profile") ->
     description = data.get("description", "")
     if not isinstance(description, str):
         raise AFDPlanError(f"{origin}:description", description, "a string")
+    on_compute = data.get("messages_use_compute", False)
+    if not isinstance(on_compute, bool):
+        raise AFDPlanError(f"{origin}:messages_use_compute", on_compute, "true or false")
     peaks = data["peak_flops"]
     if not isinstance(peaks, Mapping) or not peaks:
         raise AFDPlanError(f"{origin}:peak_flops", peaks, f"a table keyed by {COMPUTE_DTYPES}")
@@ -265,6 +274,7 @@ def profile_from_mapping(data: Mapping[str, Any], *, origin: str = "profile") ->
         name=data["name"],
         source=data["source"],
         description=description,
+        messages_use_compute=on_compute,
         peak_flops=checked_peaks,
         **values,
     )

@@ -11,7 +11,11 @@ layer's period is the cycle time of a ping-pong pipeline::
 
 The first three are the busy time of each resource per period (each of the ``S`` micro-batches
 passes each resource once per layer); the last is one micro-batch's own dependency chain
-(attention -> send -> experts -> reply), which no schedule can shorten. ``S = 1`` gives the
+(attention -> send -> experts -> reply), which no schedule can shorten. With the profile's
+``messages_use_compute`` (a CPU host: the cores that compute also post and complete the
+messages) each role's busy time also holds its own messages both ways, ``S * (t_a + 2 F m)``
+and ``S * (t_f + 2 A m)`` (``m`` = ``message_overhead``), and the link only its wire time
+``S * (o - max(F, A) m)``: stages hide the wire, never the message software. ``S = 1`` gives the
 serial sum ``t_a + t_f + 2 t_c``; ``S >= 2`` hides transfers and the other role's compute only
 while the chain fits in the busiest resource's time (MegaScale-Infer's condition). Splitting is
 not free: each micro-batch re-reads the weights, so a weight-bound ``t_f(b/S)`` is about
@@ -273,6 +277,7 @@ def _moe_layer(
     s = cand.stages
     mb = cand.batch / s
     t_a = t_attn + mlp_time(shape, work, hw, mb, shape.shared_intermediate_size)
+    messages: dict[str, float] = {}  # a role's busy time spent on its messages
     if cand.colocated:
         n = cand.num_attention
         t_e = expert_time(shape, work, hw, n * mb, n, cand.expert_quant)
@@ -292,10 +297,18 @@ def _moe_layer(
         xfer = transfer_time(shape, hw, mb, a, f)
         occupancy = xfer.seconds - hw.link_latency
         busy = {"attention": s * t_a.seconds, "ffn": s * t_e.seconds, "link": s * occupancy}
+        if hw.messages_use_compute:
+            # Each role posts and completes its own messages, both ways, on its compute: the
+            # link keeps only the wire time (the larger end's message software moves over).
+            m_a, m_f = f * hw.message_overhead, a * hw.message_overhead
+            messages = {"attention": s * 2 * m_a, "ffn": s * 2 * m_f}
+            busy["attention"] += messages["attention"]
+            busy["ffn"] += messages["ffn"]
+            busy["link"] = s * max(occupancy - max(m_a, m_f), 0.0)
         chain = t_a.seconds + t_e.seconds + 2 * xfer.seconds
         roles = {"attention": t_a, "ffn": t_e}
     period = max(*busy.values(), chain)
-    return LayerTerms(t_a, t_e, xfer, period, _binding(busy, chain, s, roles, xfer))
+    return LayerTerms(t_a, t_e, xfer, period, _binding(busy, chain, s, roles, xfer, messages))
 
 
 def _binding(
@@ -304,11 +317,13 @@ def _binding(
     stages: int,
     roles: dict[str, Term],
     xfer: Term,
+    messages: dict[str, float] | None = None,
 ) -> str:
     """What sets a MoE layer's period: the busiest resource (a role with its roofline side,
-    ``"memory"`` or ``"compute"``, or ``link``) when its busy time is the period; otherwise one
-    micro-batch's dependency chain is, and the largest part of that chain is named (with
-    ``"chain: "`` in front when ``stages > 1``: the overlap could not hide it)."""
+    ``"memory"`` or ``"compute"``, or ``"messages"`` when most of its busy time is its message
+    software; or ``link``) when its busy time is the period; otherwise one micro-batch's
+    dependency chain is, and the largest part of that chain is named (with ``"chain: "`` in
+    front when ``stages > 1``: the overlap could not hide it)."""
     top = max(busy, key=lambda k: busy[k])
     if chain > busy[top] * (1 + 1e-9):
         parts = {**{k: v.seconds for k, v in roles.items()}, "link": 2 * xfer.seconds}
@@ -316,6 +331,8 @@ def _binding(
         what = "link" if part == "link" else f"{part} {roles[part].bound}"
         return f"chain: {what}" if stages > 1 else what
     if top in roles:
+        if (messages or {}).get(top, 0.0) > busy[top] / 2:
+            return f"{top} messages"
         return f"{top} {roles[top].bound}"
     if top == "compute":
         part = max(roles, key=lambda k: roles[k].seconds)

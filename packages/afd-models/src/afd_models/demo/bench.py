@@ -20,7 +20,8 @@ One run measures, on this host:
   small batches split at all (serving's defaults keep steps under 32 decode tokens whole). The
   same pair of rows is measured on the *wide* Qwen3-MoE (hidden 1024, 96 MiB of experts per MoE
   layer: weight-bound like a real model) with its own one-stage row, raw round trip and plain
-  vLLM row (``plain wide``);
+  vLLM rows (``plain wide`` on one thread, ``plain wide (vLLM default threads)`` on every core:
+  what the AFD pair's two cores are up against);
 * unless :attr:`BenchConfig.quantized` is off, the TPOT of 1 Attention : 1 FFN (gate on FFN) with
   the FFN rank's quantized computes (:data:`QUANTIZED_SETUPS`: Layered on W8A8 experts, Mega on
   W4A8 per-channel experts) at each batch size, against the native fp32 ``afd 1:1`` row and
@@ -660,16 +661,25 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             progress(f"raw gloo round trip, hidden={wide_hidden}")
             rt = raw_round_trip_ms(stage_batches, wide_hidden)
             one_setup = f"{one_setup} {width}"
-            plain_setup = f"plain {width}"
-            progress(plain_setup)
-            plain = plain_server(
-                stage_model,
-                log_dir=log_dir,
-                options=bench_options(cfg, PLACEMENT_ENV),
-                name=f"plain-{width}",
-                progress=progress,
-            )
-            stage_tpot += run_setup([plain], plain, stage_batches, cfg, plain_setup)
+            # Plain on one thread (the model's device) and with vLLM's own threading (every
+            # core): the AFD pair's two cores are measured against the better of the two.
+            for plain_setup, name, env in (
+                (f"plain {width}", f"plain-{width}", PLACEMENT_ENV),
+                (
+                    f"plain {width} (vLLM default threads)",
+                    f"plain-{width}-default-threads",
+                    DEFAULT_ENGINE_ENV,
+                ),
+            ):
+                progress(plain_setup)
+                plain = plain_server(
+                    stage_model,
+                    log_dir=log_dir,
+                    options=bench_options(cfg, env),
+                    name=name,
+                    progress=progress,
+                )
+                stage_tpot += run_setup([plain], plain, stage_batches, cfg, plain_setup)
             checkpoints[width] = str(stage_model)
             progress(one_setup)
             attention, ffns = afd_servers(

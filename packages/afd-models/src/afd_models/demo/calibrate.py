@@ -17,6 +17,8 @@ what each role gets under ``afd bench``'s placement):
   turn and an FFN service reply cost beyond the bytes): half its round trip, the profile's
   ``message_overhead`` when the engine runs below are skipped.
 * ``memory_bytes``: this host's RAM.
+* ``messages_use_compute``: true (a message's software runs on the cores of the role that sends
+  or receives it).
 * **Engine software** (:func:`measure_engine`, unless ``--no-engine``): vLLM itself on the tiny Qwen3-MoE, with the
   thread placement ``afd bench`` uses: plain vLLM at batch 1 and 16 and an AFD pair (1:1, gate
   on FFN) at batch 1, each a median TPOT. What the model's layer terms (on the rates above) do
@@ -354,6 +356,9 @@ def profile_mapping(cal: Calibration, *, name: str = "calibrated") -> dict[str, 
         "compute_efficiency": 1.0,
         "memory_efficiency": 1.0,
         "link_efficiency": 1.0,
+        # The cores that compute also run the exchange's software (proxy, connector, service
+        # loop, wake-ups): stages cannot hide it (afd-plan's messages_use_compute).
+        "messages_use_compute": True,
     }
 
 
