@@ -17,7 +17,7 @@ connector after the first ``init`` and keeps these invariants:
   server's ``/health`` answers 503 then, see :mod:`afd_runtime.ffn_loss`).
 * :meth:`AttentionLink.close` says goodbye to a connected FFN role, ends a reconnection
   attempt in progress (its startup waits are cancelled, :func:`~afd_core.session.startup.
-  startup_cancel_scope`) and waits for the supervisor thread (at most :data:`CLOSE_JOIN_S`), so
+  startup_cancel_scope`) and then waits for the supervisor thread (at most :data:`CLOSE_JOIN_S`), so
   the process never exits with that thread inside a store call (a thread woken there while the
   interpreter finalizes aborts the process: exit code -6, "terminate called"). Idempotent.
 
@@ -94,6 +94,7 @@ class AttentionLink:
         self._lock = threading.Lock()  # held by a step while it uses the connector
         self._down: AFDConnectorError | None = None
         self._closing = threading.Event()
+        self._reconnecting = threading.Event()  # set once the supervisor starts reconnecting
         self._thread: threading.Thread | None = None
         self.reconnects = 0  # successful re-initialisations after a loss
 
@@ -131,8 +132,15 @@ class AttentionLink:
                 say_goodbye(self.connector)
         finally:
             self._lock.release()
+        # A watching supervisor waits on an event (safe at exit, ends within SUPERVISE_POLL_S);
+        # a reconnecting one may be inside a store call: wait for its cancelled attempt.
+        # (_closing is set before this read; _reconnect sets its flag before reading _closing.)
         thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
+        if (
+            thread is not None
+            and self._reconnecting.is_set()
+            and thread is not threading.current_thread()
+        ):
             thread.join(CLOSE_JOIN_S)
             if thread.is_alive():
                 logger.warning(
@@ -207,6 +215,7 @@ class AttentionLink:
 
     def _reconnect(self) -> bool:
         """Initialise the connector again until it pairs (True) or the link closes (False)."""
+        self._reconnecting.set()
         attempts = 0
         while not self._closing.is_set():
             attempts += 1
@@ -232,6 +241,7 @@ class AttentionLink:
                     say_goodbye(self.connector)
                     return False
                 self._down = None
+            self._reconnecting.clear()
             self.reconnects += 1
             self.metrics.reconnects.inc()
             self.metrics.connected()
