@@ -34,6 +34,16 @@ sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_fake_servers import FakeServer, MetricsText
 
 
+@pytest.fixture(autouse=True)
+def _no_host_profile(
+    monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """`afd bench` reads this host's calibrated profile by default (``$XDG_CACHE_HOME``): the
+    tests here must not depend on one a developer wrote (a profile from a newer afd-plan made
+    the old CLI refuse it). A test that wants one writes it under its own cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
 def test_compare_derives_ratio_and_overhead_per_layer() -> None:
     plain = [TPOTRow("plain", 1, 10.0, (10.0,)), TPOTRow("plain", 16, 20.0, (20.0,))]
     afd = [TPOTRow("afd 1:1", 1, 12.0, (12.0,)), TPOTRow("afd 2:1", 16, 40.0, (40.0,))]
