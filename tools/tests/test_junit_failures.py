@@ -28,6 +28,7 @@ def test_broken_fixture(missing_fixture):
 
 def test_a_real_pytest_report_names_each_failure_with_its_assertion(tmp_path: Path) -> None:
     (tmp_path / "test_sample.py").write_text(FAILING)
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")  # not the workspace's settings
     reports = tmp_path / "reports"
     reports.mkdir()
     run = subprocess.run(
@@ -38,6 +39,10 @@ def test_a_real_pytest_report_names_each_failure_with_its_assertion(tmp_path: Pa
             str(tmp_path / "test_sample.py"),
             "-p",
             "no:cacheprovider",
+            "-c",
+            str(tmp_path / "pytest.ini"),
+            "--rootdir",
+            str(tmp_path),
             f"--junitxml={reports / 'tests-package-afd-runtime.xml'}",
         ],
         capture_output=True,
@@ -47,9 +52,13 @@ def test_a_real_pytest_report_names_each_failure_with_its_assertion(tmp_path: Pa
     assert run.returncode == 1, run.stdout
     digest = junit_failures.render(reports)
     assert digest.splitlines()[0].startswith("2 failed or errored test(s) in 1 report(s)")
-    assert "== tests-package-afd-runtime: FAILURE test_sample::test_bad" in digest
+    heads = [line for line in digest.splitlines() if line.startswith("== ")]
+    assert len(heads) == 2, digest
+    assert heads[0].startswith("== tests-package-afd-runtime: FAILURE ")
+    assert heads[0].endswith("test_sample::test_bad")
     assert "assert [0, -6] == [0, 0]" in digest
-    assert "== tests-package-afd-runtime: ERROR test_sample::test_broken_fixture" in digest
+    assert heads[1].startswith("== tests-package-afd-runtime: ERROR ")
+    assert heads[1].endswith("test_sample::test_broken_fixture")
     assert "missing_fixture" in digest
     assert "test_ok" not in digest
 
