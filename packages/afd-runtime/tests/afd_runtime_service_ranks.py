@@ -485,6 +485,6 @@ def staying_attention_main(port: int, q: Any) -> None:
     # close() must end that wait and the thread (an exit with the thread inside a store call
     # aborted the process: exit code -6, seen in CI).
     time.sleep(0.3)
-    reconnecting = link.is_supervising
+    reconnecting = link.is_reconnecting
     link.close()
     q.put(("attention", down, reconnecting, link.is_supervising, None))

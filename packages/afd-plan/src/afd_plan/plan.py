@@ -317,7 +317,7 @@ def _binding(
     stages: int,
     roles: dict[str, Term],
     xfer: Term,
-    messages: dict[str, float] | None = None,
+    messages: dict[str, float],
 ) -> str:
     """What sets a MoE layer's period: the busiest resource (a role with its roofline side,
     ``"memory"`` or ``"compute"``, or ``"messages"`` when most of its busy time is its message
@@ -331,7 +331,7 @@ def _binding(
         what = "link" if part == "link" else f"{part} {roles[part].bound}"
         return f"chain: {what}" if stages > 1 else what
     if top in roles:
-        if (messages or {}).get(top, 0.0) > busy[top] / 2:
+        if messages.get(top, 0.0) > busy[top] / 2:
             return f"{top} messages"
         return f"{top} {roles[top].bound}"
     if top == "compute":

@@ -158,6 +158,11 @@ class AttentionLink:
         return thread is not None and thread.is_alive()
 
     @property
+    def is_reconnecting(self) -> bool:
+        """True while the supervisor initialises the connector again after a loss."""
+        return self._reconnecting.is_set()
+
+    @property
     def is_up(self) -> bool:
         return self._down is None and not self._closing.is_set()
 
