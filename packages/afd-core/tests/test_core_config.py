@@ -45,6 +45,7 @@ def test_full_mapping_and_roundtrip() -> None:
         "port": 4000,
         "num_attention_ranks": 5,
         "num_ffn_ranks": 3,
+        "expert_replicas": "2",
         "attention_tp_size": "2",
         "ffn_rank": 2,
         "compute_gate_on_attention": True,
@@ -61,6 +62,7 @@ def test_full_mapping_and_roundtrip() -> None:
     assert c.role is AFDRole.FFN and c.is_ffn
     assert c.to_mapping() == {
         **raw,
+        "expert_replicas": 2,
         "attention_tp_size": 2,
         "num_stages": 2,
         "timeout_s": 7.0,
@@ -132,6 +134,10 @@ INVALID: list[tuple[str, Any]] = [
     ("num_ffn_ranks", 0),
     ("num_ffn_ranks", True),
     ("num_ffn_ranks", 1.0),
+    ("expert_replicas", 0),
+    ("expert_replicas", 2),  # more replicas than the default num_ffn_ranks=1
+    ("expert_replicas", True),
+    ("expert_replicas", 1.0),
     ("attention_tp_size", 0),
     ("attention_tp_size", True),
     ("attention_tp_size", 2.0),
@@ -187,6 +193,18 @@ def test_expert_parallel_requires_the_gate_on_attention() -> None:
     # A < F is allowed (experts can outgrow attention).
     c = cfg(num_attention_ranks=1, num_ffn_ranks=3, compute_gate_on_attention=True)
     assert c.num_ffn_ranks == 3
+
+
+def test_expert_replicas_name_the_ffn_ranks_they_live_on() -> None:
+    with pytest.raises(AFDConfigError) as info:
+        cfg(num_ffn_ranks=2, compute_gate_on_attention=True, expert_replicas=3)
+    assert info.value.field == "expert_replicas" and info.value.value == 3
+    assert "1..2" in str(info.value) and "num_ffn_ranks" in str(info.value)
+    c = cfg(num_ffn_ranks=2, compute_gate_on_attention=True, expert_replicas=2)
+    other = cfg(num_ffn_ranks=2, compute_gate_on_attention=True)
+    # Both roles must agree on it: it is part of the agreement hash.
+    assert c.agreement_fields()["expert_replicas"] == 2
+    assert c.agreement_hash() != other.agreement_hash()
 
 
 @pytest.mark.parametrize(

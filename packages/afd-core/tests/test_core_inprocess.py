@@ -344,3 +344,93 @@ def test_served_ranks_disagreeing_on_stages_is_a_protocol_error() -> None:
     assert not f.is_initialized
     for a in atts:
         a.close()
+
+
+def _exchange(a: Any, ffns: list[Any], ids: list[int]) -> list[torch.Tensor]:
+    """One step of one layer: token ``i`` (top-1 expert ``ids[i]``) dispatched by the round's
+    expert map; each FFN rank answers ``hidden + 10 * (its slot + 1)``."""
+    emap = a.topology.expert_map(4)
+    topk = torch.tensor(ids).view(-1, 1)
+    owners = emap.owner_table()[topk].flatten()
+    counts = tuple(int((owners == r).sum()) for r in range(emap.num_ffn_ranks))
+
+    def ffn(f: Any) -> None:
+        f.recv_control()
+        meta, payloads = f.recv_dispatch(0, 0)
+        f.send_combine([p.hidden_states + 10 * (f.role_rank + 1) for p in payloads], meta)
+
+    def attention() -> list[torch.Tensor]:
+        a.send_control(AFDControlMessage(((len(ids),),)))
+        payloads = [
+            AFDPayload(
+                torch.ones(n, 4),
+                topk_ids=torch.zeros(n, 1, dtype=torch.int32),
+                topk_weights=torch.ones(n, 1),
+            )
+            for n in counts
+        ]
+        return a.recv_combine(a.send_dispatch(payloads, AFDTransferMetadata(0, 0, counts)))
+
+    got, *_ = in_threads(attention, *[lambda f=f: ffn(f) for f in ffns])
+    return got
+
+
+def test_elastic_ffn_slots_join_and_leave_through_rounds() -> None:
+    port = next(_ports)
+    kw = {"num_ffn_ranks": 2, "compute_gate_on_attention": True, "expert_replicas": 2}
+    spec = AFDPayloadSpec(hidden_size=4, dtype=torch.float32, top_k=1)
+    a = conn("attention", port, spec=spec, **kw)
+    f0, f1 = (conn("ffn", port, r, spec=spec, ffn_rank=r, **kw) for r in range(2))
+    # Only slot 0 is up: it holds every expert (2 replicas of 2 slots), so the round forms with
+    # it alone once no other slot claimed within the settle time.
+    began = time.monotonic()
+    assert in_threads(a.init, f0.init) == [None, None]
+    assert time.monotonic() - began >= 2.0
+    assert a.topology.members == (0,) and a.topology.world_size == 2 and f0.world_rank == 1
+    assert a.topology.expert_map(4).owners == (0, 0, 0, 0)
+    (out,) = _exchange(a, [f0], [0, 3])
+    assert torch.equal(out, torch.full((2, 4), 11.0))
+    assert not a.membership_pending()
+    # Slot 1 starts: it finds round 1 formed without it, asks to join, and waits for a newer
+    # round; the round's owner (Attention world rank 0) sees the request.
+    joiner = threading.Thread(target=lambda: f1.init(), daemon=True)
+    joiner.start()
+    deadline = time.monotonic() + 10.0
+    while not a.membership_pending() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert a.membership_pending() and not f1.is_initialized
+    # The owner forms the round again (at a step boundary): both slots serve round 2.
+    a.close()
+    f0.close()
+    assert in_threads(a.init, f0.init) == [None, None]
+    joiner.join(10.0)
+    assert f1.is_initialized
+    assert a.topology.members == (0, 1) and (f0.world_rank, f1.world_rank) == (1, 2)
+    assert a.generation == f0.generation == f1.generation
+    # With both live the routing is the contiguous one: experts 0, 1 on slot 0, 2, 3 on slot 1.
+    out0, out1 = _exchange(a, [f0, f1], [0, 3, 2])
+    assert torch.equal(out0, torch.full((1, 4), 11.0))
+    assert torch.equal(out1, torch.full((2, 4), 21.0))
+    # Slot 0 is lost (no goodbye): the next round forms with slot 1 alone, which now computes
+    # slot 0's experts too.
+    f0.abort("test", "slot 0 lost")
+    a.close()
+    f1.close()
+    assert in_threads(a.init, f1.init) == [None, None]
+    assert a.topology.members == (1,) and f1.world_rank == 1
+    (out,) = _exchange(a, [f1], [0, 3])
+    assert torch.equal(out, torch.full((2, 4), 21.0))
+    a.close()
+    f1.close()
+
+
+def test_an_elastic_round_without_every_expert_times_out_naming_the_missing_slots() -> None:
+    port = next(_ports)
+    kw = {"num_ffn_ranks": 3, "compute_gate_on_attention": True, "expert_replicas": 2}
+    spec = AFDPayloadSpec(hidden_size=4, dtype=torch.float32, top_k=1)
+    a = conn("attention", port, spec=spec, startup_timeout_s=3.0, **kw)
+    f0 = conn("ffn", port, 0, spec=spec, ffn_rank=0, startup_timeout_s=3.0, **kw)
+    ra, rf = in_threads(a.init, f0.init)
+    assert isinstance(ra, AFDTimeoutError), ra
+    assert "'members'" in str(ra) and "[0] of 3" in str(ra) and "every routed expert" in str(ra)
+    assert isinstance(rf, AFDTimeoutError | AFDStartupError), rf

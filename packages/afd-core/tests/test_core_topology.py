@@ -176,3 +176,113 @@ def test_from_config_carries_the_attention_tp_size() -> None:
     with pytest.raises(AFDConfigError) as info:
         AFDTopology(1, 1, 0)
     assert info.value.field == "attention_tp_size"
+
+
+# -- replicated experts and elastic rounds ------------------------------------------------
+
+
+@pytest.mark.parametrize(("e", "f", "r"), [(8, 2, 2), (9, 3, 2), (12, 4, 3), (5, 5, 5), (7, 3, 1)])
+def test_replicated_placement_puts_each_expert_on_r_neighbouring_ranks(
+    e: int, f: int, r: int
+) -> None:
+    placed = ExpertMap.replicated(e, f, r)
+    base = ExpertMap.contiguous(e, f)
+    # With every rank live the routing is the contiguous one: the same experts compute.
+    assert placed.owners == base.owners
+    assert placed.replicated_routing is (r > 1)
+    for x in range(e):
+        p = base.owner(x)
+        assert placed.replicas(x) == tuple((p + j) % f for j in range(r))
+    for rank in range(f):
+        held = placed.local_experts(rank)
+        assert set(base.local_experts(rank)) <= set(held)
+        assert held == tuple(sorted(held))
+        assert placed.num_local(rank) == sum(rank in placed.replicas(x) for x in range(e))
+
+
+def test_route_sends_a_lost_ranks_experts_to_their_next_live_replica() -> None:
+    placed = ExpertMap.replicated(9, 3, 2)  # slots hold [0..2]+[6..8], [3..5]+[0..2], [6..8]+[3..5]
+    round_map = placed.route((1, 2))  # slot 0 lost
+    assert round_map.num_ffn_ranks == 2 and round_map.slots == (1, 2)
+    # Experts 0..2 (slot 0's) now go to slot 1 (round rank 0); the rest stay where they were.
+    assert round_map.owners == (0, 0, 0, 0, 0, 0, 1, 1, 1)
+    assert round_map.local_experts(0) == placed.local_experts(1)
+    assert round_map.local_experts(1) == placed.local_experts(2)
+    assert placed.route((0, 1, 2)) is placed
+    with pytest.raises(AFDConfigError) as info:
+        placed.route((1,))  # experts 6..8 live on slots 2 and 0 only
+    assert info.value.field == "members" and "expert 6" in str(info.value)
+    for bad in ((2, 1), (), (0, 0), (3,), [0, 1]):
+        with pytest.raises(AFDConfigError) as info:
+            placed.route(bad)  # type: ignore[arg-type]
+        assert info.value.field == "members"
+
+
+def test_a_replica_holder_computes_only_the_slots_routed_to_it() -> None:
+    placed = ExpertMap.replicated(4, 2, 2)  # both ranks hold every expert
+    weights = torch.tensor([[0.6, 0.4], [0.7, 0.3]])
+    ids = torch.tensor([[0, 3], [2, 1]])
+    owner_table = placed.owner_table()
+    for rank in range(2):
+        routed = placed.routed_ids(rank, ids, owner_table)
+        w, local = placed.localise(rank, weights, routed)
+        mine = owner_table[ids] == rank
+        assert torch.equal(w, torch.where(mine, weights, torch.zeros_like(weights)))
+        assert torch.equal(local, torch.where(mine, ids, torch.zeros_like(ids)))
+    with pytest.raises(AFDConfigError) as info:
+        placed.localise(0, weights, torch.tensor([[-2, 0], [0, 1]]))
+    assert info.value.field == "topk_ids" and "-1" in str(info.value)
+
+
+def test_held_must_include_what_a_rank_owns() -> None:
+    with pytest.raises(AFDConfigError) as info:
+        ExpertMap(2, (0, 1, 1), held=((0,), (2,)))
+    assert info.value.field == "held[1]"
+    with pytest.raises(AFDConfigError) as info:
+        ExpertMap(2, (0, 1), slots=(3, 3))
+    assert info.value.field == "slots"
+
+
+def test_a_rounds_topology_numbers_only_its_ffn_members() -> None:
+    topo = AFDTopology(2, 3, expert_replicas=2)
+    assert topo.elastic and topo.members == (0, 1, 2) and topo.world_size == 5
+    round_topo = topo.with_members((0, 2))
+    assert round_topo.world_size == 4
+    assert round_topo.world_rank(AFDRole.FFN, 2) == 3
+    assert round_topo.role_of(3) == (AFDRole.FFN, 2)
+    assert round_topo.peers_of(AFDRole.ATTENTION, 1) == (2, 3)
+    assert round_topo.peers_of(AFDRole.FFN, 2) == (0, 1)
+    with pytest.raises(AFDConfigError) as info:
+        round_topo.world_rank(AFDRole.FFN, 1)
+    assert info.value.field == "ffn_rank" and "(0, 2)" in str(info.value)
+    assert topo.with_members((0, 1, 2)) == topo
+    emap = round_topo.expert_map(6)
+    # Slot 1 (experts 2, 3) is out: its experts go to its next replica, slot 2.
+    assert emap.slots == (0, 2) and emap.owners == (0, 0, 1, 1, 1, 1)
+    with pytest.raises(AFDConfigError) as info:
+        AFDTopology(1, 2, expert_replicas=3)
+    assert info.value.field == "expert_replicas"
+    with pytest.raises(AFDConfigError) as info:
+        topo.with_members((2, 0))
+    assert info.value.field == "ffn_members"
+
+
+@pytest.mark.parametrize(("f", "r"), [(2, 1), (2, 2), (3, 2), (4, 2), (4, 3)])
+def test_covers_agrees_with_routing_over_every_subset(f: int, r: int) -> None:
+    topo = AFDTopology(1, f, expert_replicas=r)
+    placed = topo.placement(2 * f + 1)
+    for n in range(1, f + 1):
+        for members in itertools.combinations(range(f), n):
+            assert topo.covers(members) is placed.covers(members)
+            if topo.covers(members):
+                placed.route(members)
+            else:
+                with pytest.raises(AFDConfigError):
+                    placed.route(members)
+
+
+def test_from_config_carries_the_replicas() -> None:
+    c = AFDConfig(
+        role=AFDRole.ATTENTION, num_ffn_ranks=2, compute_gate_on_attention=True, expert_replicas=2
+    )
+    assert AFDTopology.from_config(c).expert_replicas == 2

@@ -76,6 +76,7 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "port",
     "num_attention_ranks",
     "num_ffn_ranks",
+    "expert_replicas",
     "attention_tp_size",
     "ffn_rank",
     "compute_gate_on_attention",
@@ -236,6 +237,11 @@ class AFDConfig:
     port: int = 1239
     num_attention_ranks: int = 1
     num_ffn_ranks: int = 1
+    #: How many of the ``num_ffn_ranks`` FFN ranks hold each routed expert (R). With R > 1 the
+    #: FFN ranks are slots of an elastic set: the Attention role serves with any live subset
+    #: that holds every expert, re-forms the set when a rank is lost or joins, and routes each
+    #: expert to one live holder (:meth:`afd_core.expert_map.ExpertMap.replicated`).
+    expert_replicas: int = 1
     #: The Attention role's ``--tensor-parallel-size`` (T): each of its A data-parallel ranks
     #: runs T TP workers, and every TP worker is a peer of the FFN ranks (A x T peers).
     attention_tp_size: int = 1
@@ -282,6 +288,17 @@ class AFDConfig:
         self._check_int("num_attention_ranks", self.num_attention_ranks, 1, _MAX_RANKS)
         self._check_int("num_ffn_ranks", self.num_ffn_ranks, 1, _MAX_RANKS)
         self._check_int("attention_tp_size", self.attention_tp_size, 1, _MAX_RANKS)
+        if (
+            isinstance(self.expert_replicas, bool)
+            or not isinstance(self.expert_replicas, int)
+            or not 1 <= self.expert_replicas <= self.num_ffn_ranks
+        ):
+            raise AFDConfigError(
+                "expert_replicas",
+                self.expert_replicas,
+                f"an integer in 1..{self.num_ffn_ranks} (num_ffn_ranks: each routed expert "
+                "lives on that many FFN ranks, at most all of them)",
+            )
         if self.num_attention_ranks * self.attention_tp_size > _MAX_RANKS:
             raise AFDConfigError(
                 "attention_tp_size",
@@ -444,6 +461,7 @@ class AFDConfig:
             "port",
             "num_attention_ranks",
             "num_ffn_ranks",
+            "expert_replicas",
             "attention_tp_size",
             "ffn_rank",
             "num_stages",
@@ -476,6 +494,7 @@ class AFDConfig:
             "port": self.port,
             "num_attention_ranks": self.num_attention_ranks,
             "num_ffn_ranks": self.num_ffn_ranks,
+            "expert_replicas": self.expert_replicas,
             "attention_tp_size": self.attention_tp_size,
             "ffn_rank": self.ffn_rank,
             "compute_gate_on_attention": self.compute_gate_on_attention,

@@ -31,6 +31,14 @@ Invariants (checked in the tests):
   Attention world rank, both ascending;
 * :meth:`AFDTopology.attention_peer` maps ``(dp_rank, tp_rank)`` one to one onto ``0..P-1``;
 * :meth:`AFDTopology.expert_map` gives every routed expert exactly one FFN rank.
+
+Elastic FFN ranks (``expert_replicas > 1``): the ``F`` FFN ranks are *slots* (``ffn_rank``), and
+each initialisation round is served by the live slots that joined it, ``ffn_members`` (ascending;
+``None``: all of them). :meth:`AFDTopology.with_members` gives the round's topology: its world is
+``P + len(ffn_members)`` ranks, FFN slot ``ffn_members[i]`` is world rank ``P + i``, the Attention
+peers exchange data with the members only, and :meth:`AFDTopology.expert_map` routes each expert
+to a live holder (:meth:`afd_core.expert_map.ExpertMap.route`). ``F`` (the slots) and the
+replication stay what the config says, so both roles' code paths do not change with the round.
 """
 
 from __future__ import annotations
@@ -65,16 +73,84 @@ class AFDTopology:
     num_attention_ranks: int
     num_ffn_ranks: int
     attention_tp_size: int = 1
+    #: Each routed expert lives on this many FFN slots (``expert_replicas``).
+    expert_replicas: int = 1
+    #: The FFN slots serving this round (ascending), ``None`` for all ``num_ffn_ranks``.
+    ffn_members: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_count("num_attention_ranks", self.num_attention_ranks)
         _check_count("num_ffn_ranks", self.num_ffn_ranks)
         _check_count("attention_tp_size", self.attention_tp_size)
+        _check_count("expert_replicas", self.expert_replicas)
+        if self.expert_replicas > self.num_ffn_ranks:
+            raise AFDConfigError(
+                "expert_replicas", self.expert_replicas, f"an integer in 1..{self.num_ffn_ranks}"
+            )
+        members = self.ffn_members
+        if members is not None:
+            members = tuple(members)
+            if (
+                not members
+                or any(isinstance(m, bool) or not isinstance(m, int) for m in members)
+                or list(members) != sorted(set(members))
+                or not 0 <= members[0] <= members[-1] < self.num_ffn_ranks
+            ):
+                raise AFDConfigError(
+                    "ffn_members",
+                    self.ffn_members,
+                    f"ascending distinct FFN slots in 0..{self.num_ffn_ranks - 1}",
+                )
+            if members == tuple(range(self.num_ffn_ranks)):
+                members = None
+            object.__setattr__(self, "ffn_members", members)
 
     @classmethod
     def from_config(cls, config: AFDConfig) -> AFDTopology:
-        """The topology described by ``config``."""
-        return cls(config.num_attention_ranks, config.num_ffn_ranks, config.attention_tp_size)
+        """The topology described by ``config`` (every FFN slot a member)."""
+        return cls(
+            config.num_attention_ranks,
+            config.num_ffn_ranks,
+            config.attention_tp_size,
+            config.expert_replicas,
+        )
+
+    @property
+    def elastic(self) -> bool:
+        """True when rounds may be served by a subset of the FFN slots (``expert_replicas >
+        1``)."""
+        return self.expert_replicas > 1
+
+    @property
+    def members(self) -> tuple[int, ...]:
+        """The FFN slots of this round, ascending."""
+        if self.ffn_members is None:
+            return tuple(range(self.num_ffn_ranks))
+        return self.ffn_members
+
+    def with_members(self, members: tuple[int, ...]) -> AFDTopology:
+        """This topology for a round served by the FFN slots ``members``."""
+        return AFDTopology(
+            self.num_attention_ranks,
+            self.num_ffn_ranks,
+            self.attention_tp_size,
+            self.expert_replicas,
+            tuple(members),
+        )
+
+    def covers(self, members: tuple[int, ...]) -> bool:
+        """Whether the FFN slots ``members`` hold every routed expert of :meth:`placement`:
+        each slot's own range lives on it and the ``expert_replicas - 1`` slots after it
+        (cyclically), and every range is non-empty (``E >= F``), so this needs no expert
+        count."""
+        live = set(members)
+        f, r = self.num_ffn_ranks, self.expert_replicas
+        return all(any((p + j) % f in live for j in range(r)) for p in range(f))
+
+    def placement(self, num_experts: int) -> ExpertMap:
+        """Where the ``num_experts`` routed experts live over all ``F`` slots (what each FFN slot
+        loads): :meth:`ExpertMap.replicated` with ``expert_replicas``."""
+        return ExpertMap.replicated(num_experts, self.num_ffn_ranks, self.expert_replicas)
 
     @property
     def num_attention_peers(self) -> int:
@@ -83,8 +159,8 @@ class AFDTopology:
 
     @property
     def world_size(self) -> int:
-        """``P + F``."""
-        return self.num_attention_peers + self.num_ffn_ranks
+        """``P + F`` (``P`` + the round's members)."""
+        return self.num_attention_peers + len(self.members)
 
     def role_size(self, role: AFDRole | str) -> int:
         """Number of connector ranks of ``role`` (Attention: the ``P`` peers)."""
@@ -118,7 +194,12 @@ class AFDTopology:
         self.check_role_rank(role, role_rank)
         if _role(role) is AFDRole.ATTENTION:
             return role_rank
-        return self.num_attention_peers + role_rank
+        members = self.members
+        if role_rank not in members:
+            raise AFDConfigError(
+                "ffn_rank", role_rank, f"an FFN slot serving this round (one of {members})"
+            )
+        return self.num_attention_peers + members.index(role_rank)
 
     def role_of(self, world_rank: int) -> tuple[AFDRole, int]:
         """Inverse of :meth:`world_rank`: ``(role, role_rank)``."""
@@ -132,7 +213,7 @@ class AFDTopology:
             )
         if world_rank < self.num_attention_peers:
             return AFDRole.ATTENTION, world_rank
-        return AFDRole.FFN, world_rank - self.num_attention_peers
+        return AFDRole.FFN, self.members[world_rank - self.num_attention_peers]
 
     @property
     def expert_parallel(self) -> bool:
@@ -145,9 +226,9 @@ class AFDTopology:
         return tuple(range(self.num_attention_peers))
 
     def ffn_ranks_for(self, attention_rank: int) -> tuple[int, ...]:
-        """FFN role ranks ``attention_rank`` sends to: all of them, ascending."""
+        """FFN role ranks ``attention_rank`` sends to: all of the round's, ascending."""
         self.check_role_rank(AFDRole.ATTENTION, attention_rank)
-        return tuple(range(self.num_ffn_ranks))
+        return self.members
 
     def peers_of(self, role: AFDRole | str, role_rank: int) -> tuple[int, ...]:
         """World ranks this rank exchanges data with (every rank of the other role)."""
@@ -158,7 +239,8 @@ class AFDTopology:
         )
 
     def expert_map(self, num_experts: int) -> ExpertMap:
-        """Where the ``num_experts`` routed experts live: balanced contiguous ranges over the
-        FFN ranks (:meth:`ExpertMap.contiguous`). Both roles take the map from here, so a
-        different placement (non-contiguous, EPLB) replaces it in one place."""
-        return ExpertMap.contiguous(num_experts, self.num_ffn_ranks)
+        """Which rank of this round computes each of the ``num_experts`` routed experts: the
+        :meth:`placement` routed over the round's members (:meth:`ExpertMap.route`; with every
+        slot a member and one replica, balanced contiguous ranges). Both roles take the map from
+        here, so a different placement (non-contiguous, EPLB) replaces it in one place."""
+        return self.placement(num_experts).route(self.members)

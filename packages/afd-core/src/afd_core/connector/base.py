@@ -305,6 +305,12 @@ class AFDConnectorBase(ABC):
         connector that cannot tell them) tells nobody and returns False."""
         return False
 
+    def membership_pending(self) -> bool:
+        """Whether the FFN ranks serving this initialisation should change at the next step
+        boundary (an FFN slot waits to join an elastic world, ``expert_replicas > 1``; world
+        rank 0 is told). Never raises. The default: never."""
+        return False
+
     def abort(self, op: str, reason: str) -> None:
         """Fail this rank on purpose: tell the peers why, then :meth:`close`. Never raises.
 

@@ -43,7 +43,7 @@ from afd_core.errors import (
 )
 from afd_core.metadata import AFDPayloadSpec
 from afd_core.session.handshake import _handshake_fields
-from afd_core.session.session import AFDSession, publish_startup_failure
+from afd_core.session.session import AFDSession, ElasticSeat, publish_startup_failure
 from afd_core.session.startup import StartupCoordinator
 from afd_core.topology import AFDTopology
 
@@ -82,6 +82,8 @@ class AFDSessionConnector(AFDConnectorBase):
             model_identity=model_identity,
             num_draft_layers=num_draft_layers,
         )
+        #: The configured topology (every FFN slot); :attr:`topology` is the current round's.
+        self.full_topology = self.topology
         self._session: AFDSession | None = None
         self._opened = False  # open_groups() succeeded (confirm_ready() may follow)
         self._initialized = False
@@ -142,6 +144,23 @@ class AFDSessionConnector(AFDConnectorBase):
     def _who(self) -> str:
         return f"{self.role} {self.role_rank}"
 
+    def membership_pending(self) -> bool:
+        """World rank 0 of an elastic world (``expert_replicas > 1``): an FFN slot waits to
+        join, so the round should be formed again at the next step boundary."""
+        session = self._session
+        return session is not None and self._initialized and session.joins_pending()
+
+    def _elastic_seat(self) -> ElasticSeat | None:
+        topo = self.full_topology
+        if not topo.elastic:
+            return None
+        return ElasticSeat(
+            num_attention_peers=topo.num_attention_peers,
+            num_slots=topo.num_ffn_ranks,
+            slot=None if self.role is AFDRole.ATTENTION else self.role_rank,
+            covers=topo.covers,
+        )
+
     # -- lifecycle -------------------------------------------------------------------------
 
     def init(self) -> None:
@@ -165,6 +184,7 @@ class AFDSessionConnector(AFDConnectorBase):
         startup_s = self.config.startup_timeout_s
         try:
             deadline = self._deadline = time.monotonic() + startup_s
+            self.topology = self.full_topology
             root = self._rendezvous(self.config, self.world_rank, startup_s)
             session = self._session = AFDSession(
                 root,
@@ -175,10 +195,13 @@ class AFDSessionConnector(AFDConnectorBase):
                 # FFN ranks beat a heartbeat while they serve: a second claimant of a live one
                 # is refused at once instead of waiting for a round that never opens.
                 served_by=None if self.role is AFDRole.ATTENTION else ("ffn_rank", self.role_rank),
+                elastic=self._elastic_seat(),
             )
             stage = "claim"
             session.claim(deadline)
             self._generation = session.generation
+            if session.members is not None:
+                self.topology = self.full_topology.with_members(session.members)
             stage = "handshake"
             session.handshake(self.handshake_fields(), deadline)
             stage = "process_groups"

@@ -56,6 +56,7 @@ def _handshake_fields(
             topology.num_ffn_ranks,
             topology.attention_tp_size,
         ],
+        "ffn_members": list(topology.members),
         "payload_spec": payload_spec.to_wire(),
         "device_type": device.type,
         "model_identity": dict(model_identity or {}),

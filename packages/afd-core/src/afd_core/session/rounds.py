@@ -11,6 +11,7 @@ at once when the heartbeat of its claim in the newest round is moving: a live pr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 from afd_core.errors import AFDRankServedError, AFDStartupError, AFDTimeoutError
@@ -38,12 +39,19 @@ def claim_round(
     who: str,
     startup_timeout_s: float,
     served_by: tuple[str, int] | None = None,
+    claim_key: str | None = None,
+    after: int = 0,
+    holder_rank: Callable[[int], int | None] | None = None,
 ) -> int:
     """Join the current round and claim ``world_rank`` in it; return the round's number.
 
     ``who`` names the rank in errors (e.g. ``"attention 0"``). ``served_by``: the config field
     and value that choose this rank (``("ffn_rank", 0)``) when ranks of its kind beat a
     heartbeat while they serve; a claim then found taken is checked for a live holder.
+    Elastic FFN slots (:mod:`~afd_core.session.membership`) claim ``claim_key`` instead of their
+    world rank (which the round's members decide), only in a round newer than ``after``, and
+    ``holder_rank(round)`` gives the world rank whose heartbeat shows a live holder (``None``:
+    the slot does not serve that round, so nobody live holds it).
 
     Raises:
         AFDCancelledError: startup was cancelled while waiting (checked every poll).
@@ -57,16 +65,18 @@ def claim_round(
         number = int(root.add(ROUND_KEY, 1))
         root.add(f"{round_prefix(number)}/claim/0", 1)
         return number
-    number = 0
+    number = after
+    key = str(world_rank) if claim_key is None else claim_key
     while True:
         check_startup_cancelled("claim")
         current = int(root.add(ROUND_KEY, 0))
         if current > number:
             number = current
-            if int(root.add(f"{round_prefix(number)}/claim/{world_rank}", 1)) == 1:
+            if int(root.add(f"{round_prefix(number)}/claim/{key}", 1)) == 1:
                 return number
-            if served_by is not None:
-                _refuse_live_holder(root, number, world_rank, who, served_by)
+            holder = world_rank if holder_rank is None else holder_rank(number)
+            if served_by is not None and holder is not None:
+                _refuse_live_holder(root, number, holder, who, served_by)
         if time.monotonic() >= deadline:
             if number == 0:
                 raise AFDTimeoutError(

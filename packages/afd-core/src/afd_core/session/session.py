@@ -4,7 +4,8 @@ A session runs on a rendezvous store (P2P: a TCPStore behind the access gate; in
 ``HashStore``) and, per initialisation of a connector:
 
 1. joins the newest round and claims its world rank there (:mod:`~afd_core.session.rounds`);
-   its keys live under ``afd/g<round>``;
+   its keys live under ``afd/g<round>``; with elastic FFN ranks (:class:`ElasticSeat`) the round's
+   FFN slots are decided first (:mod:`~afd_core.session.membership`) and fix the world;
 2. handshakes: publishes this rank's agreement fields (protocol version, config agreement fields
    and hash, model identity, topology, payload spec, ...) and compares every peer's
    (:mod:`~afd_core.session.handshake`), raising :class:`AFDHandshakeError` naming the first
@@ -24,21 +25,35 @@ import json
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
 
 from afd_core.errors import AFDPeerError
-from afd_core.session import liveness
+from afd_core.session import liveness, membership
 from afd_core.session.handshake import _compare_handshake
 from afd_core.session.rounds import claim_round, current_round, round_prefix
 from afd_core.session.startup import StartupCoordinator, StartupFailure
 
-__all__ = ["AFDSession", "publish_startup_failure"]
+__all__ = ["AFDSession", "ElasticSeat", "publish_startup_failure"]
 
 
 def _remaining(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
+
+
+@dataclass(frozen=True)
+class ElasticSeat:
+    """A rank of a world whose FFN slots vary by round (:mod:`~afd_core.session.membership`):
+    ``P`` Attention peers (world ranks ``0..P-1``), ``num_slots`` FFN slots, this rank's FFN
+    ``slot`` (``None`` on an Attention peer) and ``covers(members)``: whether slots hold every
+    routed expert."""
+
+    num_attention_peers: int
+    num_slots: int
+    slot: int | None
+    covers: Callable[[tuple[int, ...]], bool]
 
 
 class AFDSession:
@@ -53,8 +68,15 @@ class AFDSession:
         who: str,
         startup_timeout_s: float,
         served_by: tuple[str, int] | None = None,
+        elastic: ElasticSeat | None = None,
     ) -> None:
         self.root = root
+        self.elastic = elastic
+        #: The FFN slots serving the round (``None`` until :meth:`claim`; all of them unless
+        #: ``elastic``).
+        self.members: tuple[int, ...] | None = None
+        #: World rank 0 of an elastic world: the join count its round formed at.
+        self.joins_seen = 0
         self.served_by = served_by
         self.world_rank = world_rank
         self.world_size = world_size
@@ -72,22 +94,92 @@ class AFDSession:
 
     def claim(self, deadline: float) -> None:
         """Join the newest round, claim this world rank; set up :attr:`store` and
-        :attr:`coordinator`."""
-        self.generation = claim_round(
-            self.root,
-            self.world_rank,
-            deadline,
-            who=self.who,
-            startup_timeout_s=self.startup_timeout_s,
-            served_by=self.served_by,
-        )
-        self.store = dist.PrefixStore(round_prefix(self.generation), self.root)
+        :attr:`coordinator`. Elastic: also decide (world rank 0) or learn the round's FFN
+        slots, which fix :attr:`world_size` and an FFN slot's :attr:`world_rank`."""
+        if self.elastic is None:
+            self.generation = claim_round(
+                self.root,
+                self.world_rank,
+                deadline,
+                who=self.who,
+                startup_timeout_s=self.startup_timeout_s,
+                served_by=self.served_by,
+            )
+            self.store = dist.PrefixStore(round_prefix(self.generation), self.root)
+        else:
+            self._claim_elastic(self.elastic, deadline)
         self.coordinator = StartupCoordinator(
             self.store,
             rank=self.world_rank,
             world_size=self.world_size,
             timeout_s=self.startup_timeout_s,
         )
+
+    def _claim_elastic(self, seat: ElasticSeat, deadline: float) -> None:
+        timeout = self.startup_timeout_s
+        if seat.slot is None:  # an Attention peer
+            self.generation = claim_round(
+                self.root, self.world_rank, deadline, who=self.who, startup_timeout_s=timeout
+            )
+            self.store = dist.PrefixStore(round_prefix(self.generation), self.root)
+            if self.world_rank == 0:
+                self.members, self.joins_seen = membership.form_members(
+                    self.store,
+                    self.root,
+                    seat.num_slots,
+                    seat.covers,
+                    deadline,
+                    startup_timeout_s=timeout,
+                )
+            else:
+                self.members = membership.await_members(
+                    self.store, deadline, who=self.who, startup_timeout_s=timeout
+                )
+        else:
+            slot, after = seat.slot, 0
+            while True:
+                self.generation = claim_round(
+                    self.root,
+                    self.world_rank,
+                    deadline,
+                    who=self.who,
+                    startup_timeout_s=timeout,
+                    served_by=self.served_by,
+                    claim_key=membership.slot_claim(slot),
+                    after=after,
+                    holder_rank=lambda n: self._holder(n, seat),
+                )
+                self.store = dist.PrefixStore(round_prefix(self.generation), self.root)
+                self.members = membership.await_members(
+                    self.store, deadline, who=self.who, startup_timeout_s=timeout
+                )
+                if slot in self.members:
+                    break
+                membership.note_join(self.root)
+                after = self.generation
+            self.world_rank = seat.num_attention_peers + self.members.index(slot)
+        self.world_size = seat.num_attention_peers + len(self.members)
+
+    def _holder(self, number: int, seat: ElasticSeat) -> int | None:
+        """The world rank FFN ``seat.slot`` has in round ``number`` (``None`` when that round
+        formed without it, or has not formed yet)."""
+        store = dist.PrefixStore(round_prefix(number), self.root)
+        if not store.check([membership.MEMBERS_KEY]):
+            return None
+        members = json.loads(store.get(membership.MEMBERS_KEY).decode("utf-8"))
+        if seat.slot not in members:
+            return None
+        return seat.num_attention_peers + members.index(seat.slot)
+
+    def joins_pending(self) -> bool:
+        """World rank 0 of an elastic world: whether an FFN slot asked to join since this round
+        formed (never raises: False when the store is gone)."""
+        if self.elastic is None or self.world_rank != 0 or self._closed:
+            return False
+        try:
+            return membership.joins_pending(self.root, self.joins_seen)
+        except Exception:
+            return False
 
     def handshake(self, mine: Mapping[str, Any], deadline: float) -> None:
         """Publish ``mine``, wait for every peer's publication, compare field by field

@@ -145,14 +145,10 @@ class _P2PLifecycle(AFDSessionConnector):
         # message. With F > 1 the count of each (layer, stage) travels in a header first.
         self._counts_fixed = not topo.expert_parallel
         self._headers = self.check_sequence or not self._counts_fixed
-        if self.role is AFDRole.ATTENTION:
-            self._ffn_world_ranks = topo.peers_of(AFDRole.ATTENTION, role_rank)
-            self._ffn_world_rank = self._ffn_world_ranks[0]
-            self._served: tuple[int, ...] = ()
-        else:
-            self._ffn_world_ranks = ()
-            self._ffn_world_rank = -1
-            self._served = topo.peers_of(AFDRole.FFN, role_rank)
+        self._ffn_world_ranks: tuple[int, ...] = ()
+        self._ffn_world_rank = -1
+        self._served: tuple[int, ...] = ()
+        self._bind_peers()
         # FFN side: the next header of each (stage, Attention world rank), posted ahead.
         self._headers_ahead: dict[tuple[int, int], tuple[torch.Tensor, Any]] = {}
         self._control_bufs = [torch.empty(CONTROL_WORDS, dtype=torch.int64) for _ in self._served]
@@ -163,6 +159,19 @@ class _P2PLifecycle(AFDSessionConnector):
         self._control: AFDControlMessage | None = None
         self._step_last = self.step_last_layer(False)  # the current step's last layer index
         self._handles: weakref.WeakSet[AFDTransferHandle] = weakref.WeakSet()
+
+    def _bind_peers(self) -> None:
+        """The peers of the current round's topology (elastic worlds change them by round)."""
+        topo = self.topology
+        if self.role is AFDRole.ATTENTION:
+            self._ffn_world_ranks = topo.peers_of(AFDRole.ATTENTION, self.role_rank)
+            self._ffn_world_rank = self._ffn_world_ranks[0]
+            self._served = ()
+        else:
+            self._ffn_world_ranks = ()
+            self._ffn_world_rank = -1
+            self._served = topo.peers_of(AFDRole.FFN, self.role_rank)
+        self._stage_tags = {}
 
     # -- identity ------------------------------------------------------------------------
 
@@ -225,6 +234,7 @@ class _P2PLifecycle(AFDSessionConnector):
 
     def _open_transport(self, session: AFDSession, deadline: float) -> None:
         """The Gloo control group and the data group on the session's store."""
+        self._bind_peers()
         bind_address = local_address(self.config.host, self.config.port)
         ns = session.store
         self._ctl_pg = make_process_group(
