@@ -152,7 +152,8 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         (:func:`afd_remote.expert_dispatch.combine_expert_outputs`).
 
         The placement is ``connector.topology.expert_map(num_experts)``, the one the FFN ranks
-        load their experts by. With routed TP padding this TP rank dispatches only its slice of
+        load their experts by, routed over the round's FFN ranks; with replicated experts
+        (``expert_replicas > 1``) each rank's top-k ids mark the slots routed elsewhere ``-1``. With routed TP padding this TP rank dispatches only its slice of
         the replicated tokens; :meth:`receive` combines the slice's partial outputs, then
         all-gathers the slices in TP rank order.
 
@@ -179,12 +180,19 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         hidden = localise(hidden_states, layout, "hidden_states")
         weights = localise(topk_weights.to(spec.topk_weights_dtype), layout, "topk_weights")
         ids = localise(topk_ids.to(spec.topk_ids_dtype), layout, "topk_ids")
-        plan = plan_expert_dispatch(ids, self._expert_map(connector, num_experts))
+        emap = self._expert_map(connector, num_experts)
+        plan = plan_expert_dispatch(ids, emap)
         parts = {
             "hidden_states": split_for_dispatch(hidden, plan),
             "topk_weights": split_for_dispatch(weights, plan, field="topk_weights"),
             "topk_ids": split_for_dispatch(ids, plan, field="topk_ids"),
         }
+        if emap.replicated_routing:
+            # A rank holding replicas computes only the slots routed to it (the others: -1).
+            table = emap.owner_table(ids.device)
+            parts["topk_ids"] = [
+                emap.routed_ids(f, part, table) for f, part in enumerate(parts["topk_ids"])
+            ]
         payloads = [
             AFDPayload(
                 hidden_states=parts["hidden_states"][f],

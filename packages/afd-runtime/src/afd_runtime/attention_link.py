@@ -13,6 +13,11 @@ connector after the first ``init`` and keeps these invariants:
   again, attempt after attempt (each bounded by ``startup_timeout_s``, :data:`RECONNECT_RETRY_S`
   between attempts), until the FFN role is back or the link closes. The first step after that
   runs on the new connection.
+* Elastic FFN ranks (``expert_replicas > 1``): a loss re-forms the round with the live FFN
+  slots that hold every expert (afd-core's :mod:`~afd_core.session.membership`); when an FFN
+  slot asks to join (:meth:`~afd_core.connector.AFDConnectorBase.membership_pending`, seen by
+  world rank 0), the supervisor takes the link down between two steps, says goodbye and
+  initialises again with it. Steps meanwhile fail as for a loss (the requests are held).
 * :meth:`AttentionLink.health` is ``None`` while up and the reason while down (the Attention
   server's ``/health`` answers 503 then, see :mod:`afd_runtime.ffn_loss`).
 * :meth:`AttentionLink.close` says goodbye to a connected FFN role, ends a reconnection
@@ -105,7 +110,7 @@ class AttentionLink:
         start the supervisor thread. ``init`` replaces ``connector.init`` for this first one
         (the worker's makes it end on SIGTERM)."""
         (init or self.connector.init)()
-        self.metrics.connected()
+        self._connected()
         self._thread = threading.Thread(
             target=self._supervise, name=f"afd-link-{self.name}", daemon=True
         )
@@ -200,18 +205,28 @@ class AttentionLink:
     def _supervise(self) -> None:
         while not self._closing.is_set():
             failure = self.connector.wait_peer_failure(SUPERVISE_POLL_S)
+            rejoin = False
             if failure is None:
-                continue
-            with self._lock:
+                if not self.connector.membership_pending():
+                    continue
+                rejoin = True
+                failure = AFDConnectorError(
+                    "an FFN rank asked to join: the Attention role forms the FFN set again"
+                )
+            with self._lock:  # between steps
                 if self._closing.is_set():
                     return
                 if self._down is None:
                     self._down = failure
-                self.connector.close()
+                if rejoin:
+                    say_goodbye(self.connector)
+                else:
+                    self.connector.close()
                 self.metrics.link_up.set(0)
             logger.warning(
-                "AFD Attention %s lost its FFN role (%s: %s); reconnecting",
+                "AFD Attention %s %s (%s: %s); reconnecting",
                 self.name,
+                "re-forms its FFN set" if rejoin else "lost its FFN role",
                 type(failure).__name__,
                 failure,
             )
@@ -249,7 +264,22 @@ class AttentionLink:
             self._reconnecting.clear()
             self.reconnects += 1
             self.metrics.reconnects.inc()
-            self.metrics.connected()
-            logger.info("AFD Attention %s reconnected to its FFN role", self.name)
+            self._connected()
             return True
         return False
+
+    def _connected(self) -> None:
+        """Count the pairing; say (log, ``afd_ffn_member``) which FFN slots serve the round."""
+        self.metrics.connected()
+        topo = self.connector.topology
+        self.metrics.ffn_members(topo.num_ffn_ranks, topo.members)
+        logger.info(
+            "AFD Attention %s %s its FFN role: FFN slots %s of %d serve round %s "
+            "(expert_replicas=%d)",
+            self.name,
+            "reconnected to" if self.reconnects else "connected to",
+            list(topo.members),
+            topo.num_ffn_ranks,
+            getattr(self.connector, "generation", "?"),
+            topo.expert_replicas,
+        )

@@ -160,6 +160,22 @@ class AFDMetrics:
             multiprocess_mode="mostrecent",
             registry=registry,
         )
+        self.ffn_member = Gauge(
+            "afd_ffn_member",
+            "Attention: 1 while FFN slot ffn_rank serves this rank's current round, else 0 "
+            "(elastic FFN ranks, expert_replicas > 1: a lost slot reads 0 until it rejoins).",
+            (*_ROLE, "ffn_rank"),
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
+        self.experts_held = Gauge(
+            "afd_experts_held",
+            "FFN: routed experts this FFN rank holds (its share; with expert_replicas R, the "
+            "ranges of R neighbouring slots).",
+            _ROLE,
+            multiprocess_mode="mostrecent",
+            registry=registry,
+        )
         self.ffn_layers = Gauge(
             "afd_ffn_layers",
             "MoE layers this FFN rank serves.",
@@ -228,6 +244,8 @@ class AFDMetrics:
             self.ffn_compute_calls,
             self.ffn_tokens_per_call,
             self.ffn_peers,
+            self.ffn_member,
+            self.experts_held,
             self.ffn_layers,
             self.quant_expert_bytes,
             self.quant_bf16_bytes,
@@ -313,6 +331,17 @@ class RoleMetrics:
         self.connections.inc()
         self.link_up.set(1)
         self.phase("connected")
+
+    def ffn_members(self, num_slots: int, members: tuple[int, ...]) -> None:
+        """Attention: which of the ``num_slots`` FFN slots serve the current round."""
+        for slot in range(num_slots):
+            self._m.ffn_member.labels(**self._labels, ffn_rank=str(slot)).set(
+                1 if slot in members else 0
+            )
+
+    def experts_held(self, n: int) -> None:
+        """FFN: how many routed experts this rank holds."""
+        self._m.experts_held.labels(**self._labels).set(n)
 
     def ffn_shape(self, peers: int, layers: int) -> None:
         self._m.ffn_peers.labels(**self._labels).set(peers)

@@ -474,6 +474,17 @@ class AFDFFNWorkerMixin:
             ),
             draft_layer_indices=draft,
         )
+        held = getattr(model, "afd_local_experts", None)
+        if held is not None:
+            self._afd_service.metrics.experts_held(len(held))
+            logger.info(
+                "AFD FFN rank %d holds %d routed experts %s (num_ffn_ranks=%d, expert_replicas=%d)",
+                rank,
+                len(held),
+                list(held),
+                cfg.num_ffn_ranks,
+                cfg.expert_replicas,
+            )
 
     def _afd_step_context(self, num_tokens: int) -> AbstractContextManager[object]:
         return _vllm_forward_context(self.vllm_config, num_tokens)
