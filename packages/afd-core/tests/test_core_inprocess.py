@@ -434,3 +434,35 @@ def test_an_elastic_round_without_every_expert_times_out_naming_the_missing_slot
     assert isinstance(ra, AFDTimeoutError), ra
     assert "'members'" in str(ra) and "[0] of 3" in str(ra) and "every routed expert" in str(ra)
     assert isinstance(rf, AFDTimeoutError | AFDStartupError), rf
+
+
+def test_a_rank_reconnecting_after_its_goodbye_does_not_watch_its_own_old_claim() -> None:
+    from afd_core.session.rounds import LIVE_HOLDER_WATCH_S
+
+    port = next(_ports)
+    a, f = conn("attention", port), conn("ffn", port)
+    in_threads(a.init, f.init)
+    f.close()  # a clean leave: its goodbye is in round 1
+    began = time.monotonic()
+    reconnect = threading.Thread(target=f.init)
+    reconnect.start()
+    time.sleep(0.3)  # it finds round 1 (its own claim) before the Attention opens round 2
+    a.close()
+    a.init()
+    reconnect.join(10.0)
+    assert f.is_initialized and (a.generation, f.generation) == (2, 2)
+    # Before: it watched its own stopped heartbeat for LIVE_HOLDER_WATCH_S first.
+    assert time.monotonic() - began < LIVE_HOLDER_WATCH_S - 0.5
+    # The same after a failure (published in round 2, no goodbye: e.g. its step broke).
+    f.abort("recv_dispatch", "a peer was lost mid-step")
+    began = time.monotonic()
+    reconnect = threading.Thread(target=f.init)
+    reconnect.start()
+    time.sleep(0.3)
+    a.close()
+    a.init()
+    reconnect.join(10.0)
+    assert f.is_initialized and (a.generation, f.generation) == (3, 3)
+    assert time.monotonic() - began < LIVE_HOLDER_WATCH_S - 0.5
+    a.close()
+    f.close()

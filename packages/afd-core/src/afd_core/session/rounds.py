@@ -98,7 +98,13 @@ def _refuse_live_holder(
 ) -> None:
     """Raise :class:`AFDRankServedError` when ``world_rank``'s heartbeat in round ``number``
     moves within :data:`LIVE_HOLDER_WATCH_S`; return when it stands still (the holder is gone:
-    wait for world rank 0's next round, as a restarted rank does)."""
+    wait for world rank 0's next round, as a restarted rank does), at once when the holder said
+    goodbye or published a failure in that round (a rank reconnecting after its peers closed
+    finds its own claim)."""
+    prefix = round_prefix(number)
+    if root.check([f"{prefix}/left/{world_rank}"]) or root.check([f"{prefix}/failed/{world_rank}"]):
+        return  # the holder left that round (goodbye) or failed in it: e.g. this very process,
+        # reconnecting after its peers closed, finds its own claim there
     key = f"{round_prefix(number)}/alive/{world_rank}"
     before = int(root.add(key, 0))
     time.sleep(LIVE_HOLDER_WATCH_S)
