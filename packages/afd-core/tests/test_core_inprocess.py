@@ -26,7 +26,7 @@ from afd_core.errors import (
     AFDTimeoutError,
 )
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
-from afd_core.session import liveness
+from afd_core.session import liveness, membership
 
 SPEC = AFDPayloadSpec(hidden_size=4, dtype=torch.float32)
 _ports = itertools.count(7100)  # never listened on: an in-process world is named by host:port
@@ -411,12 +411,25 @@ def test_elastic_ffn_slots_join_and_leave_through_rounds() -> None:
     out0, out1 = _exchange(a, [f0, f1], [0, 3, 2])
     assert torch.equal(out0, torch.full((1, 4), 11.0))
     assert torch.equal(out1, torch.full((2, 4), 21.0))
-    # Slot 0 is lost (no goodbye): the next round forms with slot 1 alone, which now computes
-    # slot 0's experts too.
+    # Slot 0 is lost (no goodbye) and the Attention rank's next operation fails naming it: the
+    # next round forms with slot 1 alone at once (not after SETTLE_S: the failure named the
+    # lost slot), and slot 1 now computes slot 0's experts too.
     f0.abort("test", "slot 0 lost")
-    a.close()
+    a.send_control(AFDControlMessage(((2,),)))
+    rows = [
+        AFDPayload(
+            torch.ones(1, 4),
+            topk_ids=torch.zeros(1, 1, dtype=torch.int32),
+            topk_weights=torch.ones(1, 1),
+        )
+    ] * 2
+    with pytest.raises(AFDPeerError) as lost:
+        a.recv_combine(a.send_dispatch(rows, AFDTransferMetadata(0, 0, (1, 1))))
+    assert lost.value.rank == 1  # slot 0's world rank in round 2
     f1.close()
+    began = time.monotonic()
     assert in_threads(a.init, f1.init) == [None, None]
+    assert time.monotonic() - began < membership.SETTLE_S
     assert a.topology.members == (1,) and f1.world_rank == 1
     (out,) = _exchange(a, [f1], [0, 3])
     assert torch.equal(out, torch.full((2, 4), 21.0))

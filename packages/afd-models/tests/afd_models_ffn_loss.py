@@ -26,14 +26,20 @@ UNAVAILABLE = "AFD FFN role unavailable"
 IDLE_DETECT_BOUND_S = 40.0
 
 
-def post(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str, float]:
-    payload: dict[str, Any] = {
+def greedy(model: str, prompt: str, max_tokens: int, **extra: Any) -> dict[str, Any]:
+    """A greedy ``/v1/completions`` body (EOS ignored: exactly ``max_tokens`` come)."""
+    return {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": True,
+        **extra,
     }
+
+
+def post(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[int, str, float]:
+    payload = greedy(model, prompt, max_tokens)
     t0 = time.monotonic()
     resp = requests.post(f"{base_url}/v1/completions", json=payload, timeout=600)
     return resp.status_code, resp.text, time.monotonic() - t0
@@ -139,4 +145,56 @@ def tiny_qwen3_deployment(
         afd_extra=afd_extra,
         prefix=prefix,
         progress=print,
+    )
+
+
+def stream_complete(base_url: str, prompt: str, *, model: str, max_tokens: int) -> dict[str, Any]:
+    """A greedy streamed ``/v1/completions``: ``token_ids`` (all chunks'), ``status`` and
+    ``max_gap_s``, the longest wait between two chunks (what a streaming client sees as a
+    stall)."""
+    import json
+
+    payload = greedy(model, prompt, max_tokens, return_token_ids=True, stream=True)
+    ids: list[int] = []
+    errors: list[str] = []
+    last = time.monotonic()
+    max_gap = 0.0
+    with requests.post(
+        f"{base_url}/v1/completions", json=payload, stream=True, timeout=600
+    ) as resp:
+        status = resp.status_code
+        for line in resp.iter_lines():
+            if not line or not line.startswith(b"data: "):
+                continue
+            now = time.monotonic()
+            max_gap, last = max(max_gap, now - last), now
+            body = line[len(b"data: ") :]
+            if body == b"[DONE]":
+                break
+            chunk = json.loads(body)
+            if "error" in chunk:
+                errors.append(str(chunk["error"]))
+                continue
+            for choice in chunk.get("choices", ()):
+                ids.extend(int(i) for i in choice.get("token_ids") or ())
+    return {"status": status, "token_ids": tuple(ids), "max_gap_s": max_gap, "errors": errors}
+
+
+def afd_series(server: VLLMServer, name: str, **labels: str) -> float:
+    """One ``afd_*`` series of ``server``'s ``/metrics`` with exactly ``labels`` (0 if absent)."""
+    from afd_models.demo.servers import afd_samples
+
+    key = (name, frozenset(labels.items()))
+    return afd_samples(server.metrics_text()).get(key, 0.0)
+
+
+def ffn_compute_calls(server: VLLMServer, ffn_rank: int) -> float:
+    """Compute calls an FFN server made, over its layers (``afd_ffn_compute_calls_total``)."""
+    from afd_models.demo.servers import afd_samples
+
+    want = {("role", "ffn"), ("rank", str(ffn_rank))}
+    return sum(
+        v
+        for (name, labels), v in afd_samples(server.metrics_text()).items()
+        if name == "afd_ffn_compute_calls_total" and want <= set(labels)
     )

@@ -41,6 +41,9 @@ from afd_models.demo.servers import (
 )
 from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 
+sys.path.insert(0, str(Path(__file__).parent))
+from afd_models_bench_serve import bench_serve_command
+
 pytestmark = [pytest.mark.load, pytest.mark.vllm_runtime, pytest.mark.slow]
 
 NUM_PROMPTS: Final[int] = 256
@@ -95,55 +98,6 @@ def _log_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(env) if env else tmp_path_factory.getbasetemp() / "engine-logs"
 
 
-def bench_serve_command(
-    base_url: str, model_id: str, tokenizer: Path, result_dir: Path, result_file: str
-) -> list[str]:
-    """``vllm bench serve`` (through :mod:`afd_models.vllm_cli`) with the load parameters."""
-    return [
-        sys.executable,
-        "-m",
-        "afd_models.vllm_cli",
-        "bench",
-        "serve",
-        "--backend",
-        "vllm",
-        "--base-url",
-        base_url,
-        "--endpoint",
-        "/v1/completions",
-        "--model",
-        model_id,
-        "--tokenizer",
-        str(tokenizer),
-        "--dataset-name",
-        "random",
-        "--random-input-len",
-        str(INPUT_LEN),
-        "--random-output-len",
-        str(OUTPUT_LEN),
-        "--num-prompts",
-        str(NUM_PROMPTS),
-        "--max-concurrency",
-        str(CONCURRENCY),
-        "--ignore-eos",
-        "--temperature",
-        "0",
-        "--seed",
-        "0",
-        "--percentile-metrics",
-        "ttft,tpot,itl,e2el",
-        "--metric-percentiles",
-        "50,90,99",
-        "--disable-tqdm",
-        "--save-result",
-        "--save-detailed",
-        "--result-dir",
-        str(result_dir),
-        "--result-filename",
-        result_file,
-    ]
-
-
 @pytest.mark.timeout(3600)
 def test_bench_serve_load_on_2to1_pair(tmp_path_factory: pytest.TempPathFactory) -> None:
     began = time.monotonic()
@@ -182,7 +136,17 @@ def test_bench_serve_load_on_2to1_pair(tmp_path_factory: pytest.TempPathFactory)
         bench_began = time.monotonic()
         with open(bench_log, "wb") as log:
             proc = subprocess.run(
-                bench_serve_command(attention.base_url, model_id, model, result_dir, "load.json"),
+                bench_serve_command(
+                    attention.base_url,
+                    model_id,
+                    model,
+                    result_dir,
+                    "load.json",
+                    num_prompts=NUM_PROMPTS,
+                    concurrency=CONCURRENCY,
+                    input_len=INPUT_LEN,
+                    output_len=OUTPUT_LEN,
+                ),
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -36,6 +36,7 @@ class FakeConnector(AFDConnectorBase):
         self.ready = False
         self.inits = 0
         self.calls: list[str] = []
+        self.joining = threading.Event()  # an FFN slot asked to join (elastic FFN ranks)
 
     def init(self) -> None:
         if not self.available.is_set():
@@ -52,6 +53,9 @@ class FakeConnector(AFDConnectorBase):
     @property
     def is_initialized(self) -> bool:
         return self.ready
+
+    def membership_pending(self) -> bool:
+        return self.ready and self.joining.is_set()
 
     def lose(self) -> None:
         self.available.clear()
@@ -134,6 +138,27 @@ def test_failure_inside_a_step_is_the_ffn_role_s_only_when_the_connector_says_so
     assert err.value.rank == 1
     conn.available.set()
     _wait(lambda: link.is_up)
+    link.close()
+
+
+def test_a_joining_ffn_slot_reforms_the_round_between_steps_with_a_goodbye() -> None:
+    conn = FakeConnector()
+    link = AttentionLink(conn, name="rank 0")
+    link.connect()
+    conn.available.clear()  # the re-formed round is not ready yet
+    with link.step():
+        conn.joining.set()  # a slot asks while a step runs: the step is not interrupted
+        time.sleep(0.1)
+        assert "goodbye" not in conn.calls and link.is_up
+    _wait(lambda: "close" in conn.calls)
+    # Between steps: a goodbye (the FFN ranks come to the next round at once), then a close.
+    assert conn.calls[-2:] == ["goodbye", "close"]
+    with pytest.raises(AFDFFNUnavailableError, match="asked to join"), link.step():
+        pytest.fail("a step ran while the round was re-formed")
+    conn.joining.clear()
+    conn.available.set()
+    _wait(lambda: link.is_up)
+    assert conn.inits == 2 and link.reconnects == 1
     link.close()
 
 

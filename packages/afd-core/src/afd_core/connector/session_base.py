@@ -159,7 +159,24 @@ class AFDSessionConnector(AFDConnectorBase):
             num_slots=topo.num_ffn_ranks,
             slot=None if self.role is AFDRole.ATTENTION else self.role_rank,
             covers=topo.covers,
+            expected=self._expected_members(),
         )
+
+    def _expected_members(self) -> tuple[int, ...] | None:
+        """World rank 0, before a new round: the previous round's FFN slots, less the one
+        whose failure ended it (``None`` before the first round, or when the previous round's
+        topology is gone)."""
+        if self.world_rank != 0 or self._generation == 0:
+            return None
+        previous = self.topology
+        members = previous.members
+        failure = self._failure
+        rank = failure.rank if isinstance(failure, AFDPeerError) else None
+        if isinstance(rank, int) and 0 <= rank < previous.world_size:
+            role, slot = previous.role_of(rank)
+            if role is AFDRole.FFN:
+                members = tuple(m for m in members if m != slot)
+        return members
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -179,6 +196,7 @@ class AFDSessionConnector(AFDConnectorBase):
         start-up deadline (``startup_timeout_s`` from here)."""
         if self._initialized or self._opened:
             return
+        seat = self._elastic_seat()  # reads the previous round's topology and failure
         self._clear_failure()
         stage = "connect"
         startup_s = self.config.startup_timeout_s
@@ -195,7 +213,7 @@ class AFDSessionConnector(AFDConnectorBase):
                 # FFN ranks beat a heartbeat while they serve: a second claimant of a live one
                 # is refused at once instead of waiting for a round that never opens.
                 served_by=None if self.role is AFDRole.ATTENTION else ("ffn_rank", self.role_rank),
-                elastic=self._elastic_seat(),
+                elastic=seat,
             )
             stage = "claim"
             session.claim(deadline)

@@ -8,14 +8,17 @@ for the join counter)::
     afd/g<n>/claim/ffn<slot>   an FFN slot's claim in round n (first claimant wins)
     afd/g<n>/members           JSON list of the round's FFN slots, ascending (set once, by rank 0)
     afd/joins                  a counter: +1 by each slot that found a round formed without it
+    afd/joining/<slot>         set by that slot, removed once a round took it
 
 Protocol (every wait polls startup cancellation and ends at the startup deadline):
 
 * World rank 0 opens round ``n`` (:func:`~afd_core.session.rounds.claim_round`), then waits in
-  :func:`form_members` until every slot has claimed, or the claimed slots hold every routed
-  expert and no other slot claimed within :data:`SETTLE_S`; it publishes them as ``members``.
-  A slot lost for good is left out after :data:`SETTLE_S`; a round with too few slots waits
-  (until the deadline) for them.
+  :func:`form_members` until every slot has claimed; or the *expected* slots (the previous
+  round's, less the one whose failure ended it, plus those asking to join) have claimed and
+  hold every routed expert; or the claimed slots hold every routed expert and no other slot
+  claimed within :data:`SETTLE_S`. It publishes them as ``members``. So a lost slot is left out
+  at once when the failure named it, else after :data:`SETTLE_S`; a round with too few slots
+  waits (until the deadline) for them.
 * An FFN slot claims ``claim/ffn<slot>`` in the newest round and reads ``members``
   (:func:`await_members`). In it: its world rank is ``P + members.index(slot)``. Not in it (it
   came after the owner decided): it bumps ``afd/joins`` and claims again in the next round.
@@ -74,6 +77,7 @@ def form_members(
     *,
     startup_timeout_s: float,
     settle_s: float = SETTLE_S,
+    expected: tuple[int, ...] | None = None,
 ) -> tuple[tuple[int, ...], int]:
     """World rank 0: decide and publish the round's members (module docstring); return them and
     the join count read before publishing (:func:`joins_pending`'s ``seen``).
@@ -84,6 +88,9 @@ def form_members(
     """
     covered_since: float | None = None
     claimed: tuple[int, ...] = ()
+    want: set[int] | None = None
+    if expected is not None:
+        want = set(expected) | {s for s in range(num_slots) if root.check([_joining(s)])}
     while True:
         check_startup_cancelled("members")
         claimed = tuple(
@@ -91,6 +98,8 @@ def form_members(
         )
         now = time.monotonic()
         if len(claimed) == num_slots:
+            break
+        if want and want <= set(claimed) and covers(claimed):
             break
         if claimed and covers(claimed):
             if covered_since is None:
@@ -108,6 +117,9 @@ def form_members(
         time.sleep(_POLL_S)
     seen = int(root.add(JOINS_KEY, 0))
     store.set(MEMBERS_KEY, json.dumps(list(claimed)))
+    for s in claimed:
+        if root.check([_joining(s)]):
+            root.delete_key(_joining(s))
     return claimed, seen
 
 
@@ -131,8 +143,13 @@ def await_members(
     return tuple(int(s) for s in json.loads(store.get(MEMBERS_KEY).decode("utf-8")))
 
 
-def note_join(root: Any) -> None:
-    """An FFN slot left out of a formed round asks world rank 0 for a new one."""
+def _joining(slot: int) -> str:
+    return f"afd/joining/{slot}"
+
+
+def note_join(root: Any, slot: int) -> None:
+    """FFN ``slot``, left out of a formed round, asks world rank 0 for a new one."""
+    root.set(_joining(slot), "1")
     root.add(JOINS_KEY, 1)
 
 

@@ -54,6 +54,10 @@ class ElasticSeat:
     num_slots: int
     slot: int | None
     covers: Callable[[tuple[int, ...]], bool]
+    #: World rank 0: the slots the round should wait for before :data:`~afd_core.session.
+    #: membership.SETTLE_S` (the previous round's, less one whose failure ended it); ``None``:
+    #: every slot, or the settle time.
+    expected: tuple[int, ...] | None = None
 
 
 class AFDSession:
@@ -130,6 +134,7 @@ class AFDSession:
                     seat.covers,
                     deadline,
                     startup_timeout_s=timeout,
+                    expected=seat.expected,
                 )
             else:
                 self.members = membership.await_members(
@@ -155,7 +160,7 @@ class AFDSession:
                 )
                 if slot in self.members:
                     break
-                membership.note_join(self.root)
+                membership.note_join(self.root, slot)
                 after = self.generation
             self.world_rank = seat.num_attention_peers + self.members.index(slot)
         self.world_size = seat.num_attention_peers + len(self.members)

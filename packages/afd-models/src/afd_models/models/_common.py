@@ -329,6 +329,8 @@ class AFDFFNCausalLM(nn.Module):
         # The decoder layer's attribute holding the MoE block (``mlp``; DeepSeek-V4: ``ffn``).
         self._moe_attr = moe_attr
         self._local_experts = local_experts
+        #: Expert parallel: the routed experts this FFN rank holds (loads), else ``None``.
+        self.afd_local_experts = local_experts
         # Quantized experts (expert_quant != none): (scheme, group size) and the compute's top-k
         # width; each block routes with its own ``afd_router`` (one FFN rank; expert parallel
         # routes on Attention).
