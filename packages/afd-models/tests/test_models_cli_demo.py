@@ -66,6 +66,8 @@ def test_demo_flags_map_to_config(tmp_path: Path) -> None:
     assert cfg.options.max_num_seqs is None
     assert cli.parse_demo_config(["--max-num-seqs", "4"]).options.max_num_seqs == 4
     assert cli.parse_demo_config(["--stages", "2"]).num_stages == 2
+    replicated = ["--ffn-ranks", "2", "--gate", "attention", "--expert-replicas", "2"]
+    assert cli.parse_demo_config(replicated).expert_replicas == 2
     assert cli.parse_demo_config(["--tp", "2"]).attention_tp_size == 2
 
 
@@ -141,6 +143,8 @@ def test_real_model_keeps_checkpoint_dtype(tmp_path: Path) -> None:
         (["--model", "/does/not/exist"], "--model='/does/not/exist'"),
         (["--family", "llama"], "invalid choice: 'llama'"),
         (["--stages", "3"], "argument --stages: invalid choice: 3"),
+        (["--expert-replicas", "2"], "--expert-replicas=2; allowed: 1..1 (--ffn-ranks"),
+        (["--expert-replicas", "0"], "--expert-replicas=0; allowed: 1..1"),
         (["--tp", "0"], "error: --tp=0 must be > 0"),
     ],
 )

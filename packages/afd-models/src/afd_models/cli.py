@@ -101,6 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--gate attention)",
     )
     demo.add_argument(
+        "--expert-replicas",
+        type=int,
+        default=1,
+        metavar="R",
+        help="how many of the --ffn-ranks hold each routed expert (1..F; > 1: elastic FFN "
+        "ranks, any one of which may be lost, started or stopped while serving)",
+    )
+    demo.add_argument(
         "--speculative",
         type=int,
         default=0,
@@ -363,6 +371,11 @@ def demo_config_from_namespace(
             f"--ffn-ranks={ns.ffn_ranks!r} needs --gate attention (expert parallelism: the FFN "
             "ranks hold disjoint experts, so the router gate runs on the Attention role)"
         )
+    if not 1 <= ns.expert_replicas <= ns.ffn_ranks:
+        parser.error(
+            f"--expert-replicas={ns.expert_replicas!r}; allowed: 1..{ns.ffn_ranks} (--ffn-ranks: "
+            "each routed expert lives on at most every FFN rank)"
+        )
     _check_quant_flags(parser, ns)
     dtype = ns.dtype if ns.dtype is not None else ("float32" if ns.model is None else None)
     options = EngineOptions(
@@ -382,6 +395,7 @@ def demo_config_from_namespace(
         speculative_tokens=ns.speculative,
         gate_on_attention=ns.gate == "attention",
         num_stages=ns.stages,
+        expert_replicas=ns.expert_replicas,
         prompts=tuple(ns.prompt) if ns.prompt else DEMO_PROMPTS,
         max_tokens=ns.max_tokens,
         concurrency=ns.concurrency,

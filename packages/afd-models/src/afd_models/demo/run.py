@@ -80,6 +80,8 @@ class DemoConfig:
     speculative_tokens: int = 0
     gate_on_attention: bool = False
     num_stages: int = 1
+    #: ``expert_replicas``: how many of the FFN ranks hold each routed expert (1..num_ffn_ranks).
+    expert_replicas: int = 1
     prompts: tuple[str, ...] = DEMO_PROMPTS
     max_tokens: int = 16
     concurrency: int = 3
@@ -131,6 +133,11 @@ class DemoConfig:
             )
         if self.num_stages not in (1, 2):
             raise ValueError(f"DemoConfig.num_stages={self.num_stages!r}; allowed: 1 or 2")
+        if not 1 <= self.expert_replicas <= self.num_ffn_ranks:
+            raise ValueError(
+                f"DemoConfig.expert_replicas={self.expert_replicas!r}; allowed: 1.."
+                f"{self.num_ffn_ranks} (num_ffn_ranks)"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"DemoConfig.max_tokens={self.max_tokens!r} must be >= 1")
         if self.concurrency < 1:
@@ -507,6 +514,8 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         )
     if cfg.num_stages > 1:
         afd_extra["num_stages"] = cfg.num_stages
+    if cfg.expert_replicas > 1:
+        afd_extra["expert_replicas"] = cfg.expert_replicas
     if options.max_num_seqs != cfg.options.max_num_seqs:
         progress(
             "note: vLLM's CPU MLA path is not batch invariant; serving one sequence at a time "
@@ -606,6 +615,8 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         topology += f", MTP {cfg.speculative_tokens} speculative token(s)"
     if cfg.num_stages > 1:
         topology += f", {cfg.num_stages} stages"
+    if cfg.expert_replicas > 1:
+        topology += f", {cfg.expert_replicas} replicas of each expert"
     parity = compare_parity(base.completions, afd.completions)
     quant = quant_summary(cfg, ffns, parity, metrics) if cfg.quantized else None
     return DemoReport(
