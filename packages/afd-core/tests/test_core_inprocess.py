@@ -479,3 +479,25 @@ def test_a_rank_reconnecting_after_its_goodbye_does_not_watch_its_own_old_claim(
     assert time.monotonic() - began < LIVE_HOLDER_WATCH_S - 0.5
     a.close()
     f.close()
+
+
+def test_an_elastic_slot_failing_before_it_joins_fails_no_round() -> None:
+    # Slot 1 fails to load; slot 0 holds every expert: the round forms with slot 0 and serves.
+    # (Published under slot 1's configured world rank, 2, the failure would have been taken
+    # for whichever slot a round numbers 2.)
+    port = next(_ports)
+    kw = {"num_ffn_ranks": 2, "compute_gate_on_attention": True, "expert_replicas": 2}
+    spec = AFDPayloadSpec(hidden_size=4, dtype=torch.float32, top_k=1)
+    a = conn("attention", port, spec=spec, **kw)
+    f0 = conn("ffn", port, 0, spec=spec, ffn_rank=0, **kw)
+
+    def publish() -> bool:
+        return InProcessConnector.publish_startup_failure(
+            cfg("ffn", port, ffn_rank=1, **kw), 1, "load_model", "planted", timeout_s=5.0
+        )
+
+    ra, rf, delivered = in_threads(a.init, f0.init, publish)
+    assert delivered is False
+    assert (ra, rf) == (None, None) and a.topology.members == (0,)
+    a.close()
+    f0.close()

@@ -387,9 +387,14 @@ class AFDSessionConnector(AFDConnectorBase):
         Connects like ``init`` (into world rank 0's current round: the failure lands where the
         peers' current initialisation looks; world rank 0 itself opens a new round for it),
         publishes, disconnects. Bounded by ``timeout_s`` (default ``config.startup_timeout_s``);
-        never raises; True when the failure reached the store."""
+        never raises; True when the failure reached the store. An elastic FFN slot
+        (``expert_replicas > 1``) publishes nothing: no round waits for it."""
         try:
             topology = AFDTopology.from_config(config)
+            if topology.elastic and config.role is AFDRole.FFN:
+                # An elastic FFN slot has no world rank before a round takes it, and a round
+                # forms without a slot that never claims: nobody waits for this one.
+                return False
             world_rank = topology.world_rank(config.role, role_rank)
             wait_s = config.startup_timeout_s if timeout_s is None else float(timeout_s)
             deadline = time.monotonic() + wait_s
