@@ -92,12 +92,39 @@ def test_the_comparison_prices_the_engine_and_the_exchange(checkpoint: Path) -> 
     assert [r.within_target for r in cmp.rows] == [True, True, False]
     assert cmp.misordered == (("afd 1:1 b=4", "afd 1:2 gate-attn b=4"),)
     text = render_plan_comparison(cmp)
-    assert "2/3 rows within 25%" in text and "afd 1:1 b=4 vs afd 1:2 gate-attn b=4" in text
+    assert "2/3 predicted rows within 25%" in text and "afd 1:1 b=4 vs afd 1:2 gate-attn b=4" in text
     assert cmp.to_json()["within_target"] == 2
     with pytest.raises(KeyError, match="checkpoints\\['wide'\\]"):
         compare_with_plan(
             [{"setup": "plain wide", "batch": 4, "tpot_ms": 1.0}], {}, hw, max_tokens=8
         )
+
+
+def test_a_run_with_its_engine_anchors_fits_them_and_predicts_the_rest(checkpoint: Path) -> None:
+    # The profile's engine overheads are wrong (another run's); the run measured plain at 1 and
+    # 16 and the 1:1 pair at 1: the hand-computed case above, fitted from these rows.
+    hw = profile_from_mapping({**INSTANT, "step_overhead": 9e-3, "sequence_overhead": 0.0})
+    rows = [
+        {"setup": "plain", "batch": 1, "tpot_ms": 3.0},
+        {"setup": "plain", "batch": 4, "tpot_ms": 3.3},
+        {"setup": "plain", "batch": 16, "tpot_ms": 4.5},
+        {"setup": "afd 1:1", "batch": 1, "tpot_ms": 5.4},
+        {"setup": "afd 1:1", "batch": 4, "tpot_ms": 5.7},
+    ]
+    cmp = compare_with_plan(rows, {"tiny": checkpoint}, hw, max_tokens=48)
+    assert cmp.anchored == pytest.approx(
+        {"step_overhead": 2.9e-3, "sequence_overhead": 0.1e-3, "message_overhead": 0.3e-3}
+    )
+    anchors = {(r.setup, r.batch) for r in cmp.rows if r.anchor}
+    assert anchors == {("plain", 1), ("plain", 16), ("afd 1:1", 1)}
+    got = {(r.setup, r.batch): round(r.predicted_ms, 6) for r in cmp.predicted}
+    assert got == {("plain", 4): 3.3, ("afd 1:1", 4): 5.7}
+    assert cmp.within_target == 2 and cmp.to_json()["predicted_rows"] == 2
+    assert "(anchor)" in render_plan_comparison(cmp)
+    # Without the anchor rows (or asked not to) the profile's overheads price every row.
+    plain = compare_with_plan(rows, {"tiny": checkpoint}, hw, max_tokens=48, anchor=False)
+    assert plain.anchored is None and not any(r.anchor for r in plain.rows)
+    assert plain.rows[0].predicted_ms == pytest.approx(9.0)
 
 
 def test_rows_within_five_percent_are_a_tie_not_an_order() -> None:

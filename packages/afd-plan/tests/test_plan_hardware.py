@@ -54,6 +54,16 @@ def test_messages_use_compute_defaults_off_and_round_trips(tmp_path: Path) -> No
     assert "messages_use_compute" not in profile_from_mapping(ROUND_DEVICE).to_mapping()
 
 
+def test_host_cores_default_to_own_devices_and_round_trip(tmp_path: Path) -> None:
+    own = profile_from_mapping(ROUND_DEVICE)
+    assert own.host_cores == 0 and own.time_sharing(64) == 1.0
+    host = profile_from_mapping({**ROUND_DEVICE, "host_cores": 2})
+    assert [host.time_sharing(n) for n in (1, 2, 3, 4)] == [1.0, 1.0, 1.5, 2.0]
+    (tmp_path / "host.json").write_text(json.dumps(host.to_mapping()))
+    assert load_profile(tmp_path / "host.json") == host
+    assert "host_cores" not in own.to_mapping()
+
+
 @pytest.mark.parametrize(
     ("change", "field", "allowed"),
     [
@@ -69,6 +79,9 @@ def test_messages_use_compute_defaults_off_and_round_trips(tmp_path: Path) -> No
         ({"name": ""}, "name", "non-empty"),
         ({"messages_use_compute": 1}, "messages_use_compute", "true or false"),
         ({"messages_use_compute": "yes"}, "messages_use_compute", "true or false"),
+        ({"host_cores": -1}, "host_cores", "an integer >= 0"),
+        ({"host_cores": 2.0}, "host_cores", "an integer >= 0"),
+        ({"host_cores": True}, "host_cores", "an integer >= 0"),
     ],
 )
 def test_bad_profile_field_is_named(change: dict[str, Any], field: str, allowed: str) -> None:

@@ -113,6 +113,26 @@ def test_a_role_busy_with_its_messages_is_named(tiny: ModelShape, device: Hardwa
     assert p.binding == "attention messages"
 
 
+def test_more_engines_than_host_cores_stretch_the_step(
+    tiny: ModelShape, device: HardwareProfile
+) -> None:
+    host = device.with_overrides(host_cores=2)
+    for cand, stretch in (
+        (Candidate(1, 1, 1, 4), 1.0),  # two engines on two cores
+        (Candidate(1, 2, 1, 4), 1.5),
+        (Candidate(2, 1, 1, 4), 1.5),
+        (Candidate(2, 2, 1, 4), 2.0),
+        (Candidate(1, 0, 1, 4), 1.0),  # plain: one engine
+    ):
+        alone = predict(tiny, W, device, cand)
+        shared = predict(tiny, W, host, cand)
+        assert shared.tpot_s == pytest.approx(stretch * alone.tpot_s)
+        if stretch > 1:
+            assert shared.binding == f"host cores ({cand.devices} engines on 2)"
+        else:
+            assert shared.binding == alone.binding
+
+
 def test_colocated_baseline(tiny: ModelShape, device: HardwareProfile) -> None:
     # EP2, b=2: t_a 273.92 ns; experts for 4 tokens over 2 ranks: 4 pairs on the busiest ->
     # 4 experts, 49152 B -> 491.52 ns; all-to-all: fanout 1.5, remote 0.75 -> 192 B:

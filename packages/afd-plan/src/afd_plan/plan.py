@@ -35,6 +35,10 @@ profiles, measured on a CPU host by ``afd bench --profile``): each decode step o
 engine (the Attention rank's, or the colocated device's) costs ``step_overhead + b *
 sequence_overhead`` on top of the layers (scheduling, input preparation, sampling, output).
 
+**Shared host** (profile ``host_cores`` > 0: every role's engine on one machine's cores): a
+deployment of more engines (``A + F``; colocated ``N``) than cores stretches the whole step by
+``engines / host_cores``, and the binding reads ``host cores``.
+
 **Throughput.** ``tokens/s = A * b / TPOT`` (colocated ``N * b / TPOT``); per device divide by
 ``A + F`` (``N``).
 
@@ -258,6 +262,11 @@ def predict(shape: ModelShape, work: Workload, hw: HardwareProfile, cand: Candid
             main = (count * terms.period, terms)
     assert main is not None  # ModelShape guarantees a MoE layer
     moe_layer = main[1]
+    binding = moe_layer.binding
+    stretch = hw.time_sharing(cand.devices)
+    if stretch > 1.0:
+        tpot *= stretch
+        binding = f"host cores ({cand.devices} engines on {hw.host_cores})"
     served = cand.num_attention * cand.batch
     return Prediction(
         candidate=cand,
@@ -266,7 +275,7 @@ def predict(shape: ModelShape, work: Workload, hw: HardwareProfile, cand: Candid
         tokens_per_s_per_device=served / tpot / cand.devices,
         memory=memory,
         moe_layer=moe_layer,
-        binding=moe_layer.binding,
+        binding=binding,
     )
 
 

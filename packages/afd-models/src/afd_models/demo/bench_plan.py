@@ -22,6 +22,15 @@ profile) and the quantized rows (the CPU reference computes dequantize to fp32: 
 not the quantized GEMM the model prices). The gate's placement is not a term of the model: a
 ``gate-attn`` row is predicted like its ``gate on FFN`` twin.
 
+Engine anchors: the engine's own software per step (``step_overhead``, ``sequence_overhead``) and
+per message (``message_overhead``) are taken from the compared run itself when it measured
+them: plain on the tiny checkpoint at two batch sizes and ``afd 1:1`` at batch 1 (the rows
+``afd bench --profile`` calibrates them on; :func:`afd_models.demo.calibrate.engine_overheads`).
+Those three rows are then *anchors* (fitted, marked, not counted in the error target) and every
+other row is a prediction from them and the profile's rates. Why: the same plain run measured
+3.06 ms in one ``afd bench`` and 4.37 ms in the calibration run an hour before it on the shared
+VM, which alone put every prediction 40 % off.
+
 Workload: every request's prompt is one of the demo prompts (about :data:`PROMPT_TOKENS`
 tokens) and it decodes ``max_tokens`` tokens; decode is priced at the mean context.
 """
@@ -83,6 +92,8 @@ class PlannedRow:
     measured_ms: float
     predicted_ms: float
     binding: str
+    #: The engine overheads were fitted on this row (see the module docstring).
+    anchor: bool = False
 
     @property
     def error(self) -> float:
@@ -101,16 +112,26 @@ class PlanComparison:
     profile: str
     rows: tuple[PlannedRow, ...]
     misordered: tuple[tuple[str, str], ...]
+    #: The engine overheads fitted on this run's anchor rows (s), or ``None`` (the profile's).
+    anchored: Mapping[str, float] | None = None
+
+    @property
+    def predicted(self) -> tuple[PlannedRow, ...]:
+        """The rows that are predictions (not anchors)."""
+        return tuple(r for r in self.rows if not r.anchor)
 
     @property
     def within_target(self) -> int:
-        return sum(r.within_target for r in self.rows)
+        """Predicted rows within the target error."""
+        return sum(r.within_target for r in self.predicted)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "profile": self.profile,
             "target_error": TARGET_ERROR,
+            "anchored": None if self.anchored is None else dict(self.anchored),
             "rows": [{**asdict(r), "error": r.error} for r in self.rows],
+            "predicted_rows": len(self.predicted),
             "within_target": self.within_target,
             "misordered": [list(p) for p in self.misordered],
         }
@@ -123,12 +144,31 @@ def compare_with_plan(
     *,
     max_tokens: int,
     prompt_tokens: int = PROMPT_TOKENS,
+    anchor: bool = True,
 ) -> PlanComparison:
     """Predict every priced row of ``tpot_rows`` (an ``afd bench`` result's ``"tpot"`` list) on
-    ``hw``; ``checkpoints`` maps ``"tiny"`` / ``"wide"`` to the checkpoints the bench ran.
+    ``hw``; ``checkpoints`` maps ``"tiny"`` / ``"wide"`` to the checkpoints the bench ran. With
+    ``anchor`` and the anchor rows measured, the engine overheads come from them (module
+    docstring).
 
     Raises ``KeyError`` naming a width a row needs and ``checkpoints`` lacks."""
     work = Workload(input_len=prompt_tokens, output_len=max_tokens)
+    anchors = _anchor_rows(tpot_rows) if anchor and "tiny" in checkpoints else None
+    anchored: dict[str, float] | None = None
+    if anchors is not None:
+        from afd_models.demo.calibrate import EngineCalibration, engine_overheads
+
+        plain, afd = anchors
+        anchored = engine_overheads(
+            {**hw.to_mapping(), "step_overhead": 0.0, "sequence_overhead": 0.0},
+            EngineCalibration(
+                model=str(checkpoints["tiny"]),
+                max_tokens=max_tokens,
+                plain_tpot_s={b: ms / 1e3 for b, ms in plain.items()},
+                afd_tpot_s=afd / 1e3,
+            ),
+        )
+        hw = hw.with_overrides(**anchored)
     shapes: dict[str, Any] = {}
     rows: list[PlannedRow] = []
     for raw in tpot_rows:
@@ -142,10 +182,28 @@ def compare_with_plan(
                 raise KeyError(f"checkpoints[{width!r}]: the row {setup!r} runs on it")
             shapes[width] = load_model_shape(checkpoints[width])
         pred = predict(shapes[width], work, hw, cand)
-        rows.append(
-            PlannedRow(setup, batch, float(raw["tpot_ms"]), pred.tpot_s * 1e3, pred.binding)
+        is_anchor = anchors is not None and (
+            (setup == "plain" and batch in anchors[0]) or (setup, batch) == ("afd 1:1", 1)
         )
-    return PlanComparison(hw.name, tuple(rows), _misordered(rows))
+        rows.append(
+            PlannedRow(
+                setup, batch, float(raw["tpot_ms"]), pred.tpot_s * 1e3, pred.binding, is_anchor
+            )
+        )
+    return PlanComparison(hw.name, tuple(rows), _misordered(rows), anchored)
+
+
+def _anchor_rows(
+    tpot_rows: Sequence[Mapping[str, Any]],
+) -> tuple[dict[int, float], float] | None:
+    """The run's engine anchors: plain (tiny) at its smallest and largest batch, ``afd 1:1`` at
+    batch 1 (milliseconds); ``None`` unless all three were measured."""
+    plain = {int(r["batch"]): float(r["tpot_ms"]) for r in tpot_rows if r["setup"] == "plain"}
+    afd = [float(r["tpot_ms"]) for r in tpot_rows if (r["setup"], r["batch"]) == ("afd 1:1", 1)]
+    if len(plain) < 2 or not afd:
+        return None
+    lo, hi = min(plain), max(plain)
+    return {lo: plain[lo], hi: plain[hi]}, afd[0]
 
 
 def _misordered(rows: Sequence[PlannedRow]) -> tuple[tuple[str, str], ...]:
@@ -171,13 +229,18 @@ def render_plan_comparison(cmp: PlanComparison) -> str:
         f"{'setup':<26} {'batch':>5} {'measured ms':>12} {'predicted ms':>13} {'error':>8}  binds",
     ]
     for r in cmp.rows:
-        mark = "" if r.within_target else "  *"
+        mark = "  (anchor)" if r.anchor else "" if r.within_target else "  *"
         lines.append(
             f"{r.setup:<26} {r.batch:>5} {r.measured_ms:>12.2f} {r.predicted_ms:>13.2f} "
             f"{r.error:>+8.0%}  {r.binding}{mark}"
         )
+    if cmp.anchored is not None:
+        lines.append(
+            "engine overheads fitted on this run's anchor rows: "
+            + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in cmp.anchored.items())
+        )
     lines.append(
-        f"{cmp.within_target}/{len(cmp.rows)} rows within {TARGET_ERROR:.0%}; "
+        f"{cmp.within_target}/{len(cmp.predicted)} predicted rows within {TARGET_ERROR:.0%}; "
         f"{len(cmp.misordered)} pair(s) ordered otherwise than measured"
         + "".join(f"\n  {a} vs {b}" for a, b in cmp.misordered)
     )

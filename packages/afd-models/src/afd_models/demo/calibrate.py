@@ -359,6 +359,8 @@ def profile_mapping(cal: Calibration, *, name: str = "calibrated") -> dict[str, 
         # The cores that compute also run the exchange's software (proxy, connector, service
         # loop, wake-ups): stages cannot hide it (afd-plan's messages_use_compute).
         "messages_use_compute": True,
+        # Every role's engine runs on this host's cores (afd-plan's time sharing).
+        "host_cores": os.cpu_count() or 1,
     }
 
 
