@@ -92,7 +92,9 @@ def test_the_comparison_prices_the_engine_and_the_exchange(checkpoint: Path) -> 
     assert [r.within_target for r in cmp.rows] == [True, True, False]
     assert cmp.misordered == (("afd 1:1 b=4", "afd 1:2 gate-attn b=4"),)
     text = render_plan_comparison(cmp)
-    assert "2/3 predicted rows within 25%" in text and "afd 1:1 b=4 vs afd 1:2 gate-attn b=4" in text
+    assert (
+        "2/3 predicted rows within 25%" in text and "afd 1:1 b=4 vs afd 1:2 gate-attn b=4" in text
+    )
     assert cmp.to_json()["within_target"] == 2
     with pytest.raises(KeyError, match="checkpoints\\['wide'\\]"):
         compare_with_plan(
