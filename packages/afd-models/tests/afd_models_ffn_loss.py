@@ -121,6 +121,27 @@ def start_long_request(server: VLLMServer, model: str) -> tuple[threading.Thread
     return thread, out
 
 
+TINY_OPTIONS = EngineOptions(dtype="float32", enforce_eager=True, max_model_len=1024)
+
+
+def _tiny_qwen3(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """The tiny Qwen3-MoE checkpoint (from ``$AFD_TINY_CACHE``) and the engine log folder
+    (``$AFD_E2E_LOG_DIR``; default: pytest's tmp dirs)."""
+    cache = os.environ.get("AFD_TINY_CACHE")
+    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
+    log_env = os.environ.get("AFD_E2E_LOG_DIR")
+    log_dir = Path(log_env) if log_env else tmp_path_factory.getbasetemp() / "engine-logs"
+    return ensure_tiny_checkpoint(TinySpec("qwen3_moe"), root), log_dir
+
+
+def tiny_qwen3_plain(tmp_path_factory: pytest.TempPathFactory, *, name: str) -> VLLMServer:
+    """Plain ``vllm serve`` of the same checkpoint with the same options, not started."""
+    from afd_models.demo.servers import plain_server
+
+    checkpoint, log_dir = _tiny_qwen3(tmp_path_factory)
+    return plain_server(checkpoint, log_dir=log_dir, options=TINY_OPTIONS, name=name)
+
+
 def tiny_qwen3_deployment(
     tmp_path_factory: pytest.TempPathFactory,
     *,
@@ -132,13 +153,11 @@ def tiny_qwen3_deployment(
     """One Attention rank and ``num_ffn_ranks`` FFN ranks on the tiny Qwen3-MoE (float32, eager),
     not started; checkpoint from ``$AFD_TINY_CACHE``, logs in ``$AFD_E2E_LOG_DIR`` (default:
     pytest's tmp dirs)."""
-    cache = os.environ.get("AFD_TINY_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
-    log_env = os.environ.get("AFD_E2E_LOG_DIR")
+    checkpoint, log_dir = _tiny_qwen3(tmp_path_factory)
     return afd_servers(
-        ensure_tiny_checkpoint(TinySpec("qwen3_moe"), root),
-        log_dir=Path(log_env) if log_env else tmp_path_factory.getbasetemp() / "engine-logs",
-        options=EngineOptions(dtype="float32", enforce_eager=True, max_model_len=1024),
+        checkpoint,
+        log_dir=log_dir,
+        options=TINY_OPTIONS,
         num_attention_ranks=1,
         num_ffn_ranks=num_ffn_ranks,
         gate_on_attention=gate_on_attention,

@@ -12,8 +12,9 @@ without restarting the Attention role:
 3. slot 1 is restarted and **rejoins**, and takes load again;
 4. slot 0 is **removed** (SIGTERM): slot 1 serves alone (1:1).
 
-Every request of every phase completes with HTTP 200 and the tokens of the uninterrupted 1:1
-run (the 1:2 routing adds two partial sums where one rank sums all experts; on this model and
+Every request of every phase completes with HTTP 200 and the tokens of plain vLLM's greedy run
+of the same prompt (plain runs first, alone; the uninterrupted 1:1 run is asserted equal to it;
+the 1:2 routing adds two partial sums where one rank sums all experts, and on this model and
 prompt set the greedy tokens are the same, asserted); the longest stall of each stream is
 printed; every process exits 0 at the end.
 """
@@ -47,6 +48,7 @@ from afd_models_ffn_loss import (
     restart,
     stream_complete,
     tiny_qwen3_deployment,
+    tiny_qwen3_plain,
     tokens,
     wait_health,
 )
@@ -75,6 +77,14 @@ def _wait_members(attention: object, want: tuple[int, ...], bound_s: float) -> f
 def test_ffn_ranks_join_die_rejoin_and_leave_under_load_and_nothing_fails(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
+    # Plain vLLM's greedy tokens first (alone on the host), the reference of every phase.
+    plain = tiny_qwen3_plain(tmp_path_factory, name="ffn-elastic-plain")
+    plain.start()
+    try:
+        wait_until_healthy([plain])
+        plain_reference, plain_long = references(plain, served_model_id(plain.base_url))
+    finally:
+        stop_all([plain], timeout_s=30.0)
     attention, (slot0, slot1) = tiny_qwen3_deployment(
         tmp_path_factory,
         prefix="ffn-elastic",
@@ -91,6 +101,7 @@ def test_ffn_ranks_join_die_rejoin_and_leave_under_load_and_nothing_fails(
         _wait_members(attention, (0,), 30.0)
         model = served_model_id(attention.base_url)
         reference, long_reference = references(attention, model)
+        assert (reference, long_reference) == (plain_reference, plain_long)
 
         from afd_models.demo.tiny import DEMO_PROMPTS
 
