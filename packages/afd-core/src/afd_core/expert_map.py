@@ -129,12 +129,6 @@ class ExpertMap:
         f = self.num_ffn_ranks
         return tuple(r for r in ((owner + j) % f for j in range(f)) if expert in self._local[r])
 
-    def covers(self, members: tuple[int, ...] | list[int] | set[int]) -> bool:
-        """Whether the ranks ``members`` together hold every routed expert."""
-        live = {m for m in members if isinstance(m, int) and 0 <= m < self.num_ffn_ranks}
-        held = {e for m in live for e in self._local[m]}
-        return len(held) == self.num_experts
-
     def route(self, members: tuple[int, ...]) -> ExpertMap:
         """The map of a round served by the live slots ``members`` (ascending, distinct): rank
         ``i`` of the round is slot ``members[i]`` and holds what that slot holds; each expert
@@ -184,11 +178,6 @@ class ExpertMap:
     def num_local(self, ffn_rank: int) -> int:
         """How many experts ``ffn_rank`` holds."""
         return len(self.local_experts(ffn_rank))
-
-    def owned_experts(self, ffn_rank: int) -> tuple[int, ...]:
-        """The global experts routed to ``ffn_rank`` (a subset of :meth:`local_experts`)."""
-        self._check_rank(ffn_rank)
-        return tuple(e for e, o in enumerate(self.owners) if o == ffn_rank)
 
     def owner(self, expert: int) -> int:
         """The FFN rank holding global ``expert``."""

@@ -328,7 +328,6 @@ class AFDFFNCausalLM(nn.Module):
         self.afd_draft_layer_indices: tuple[int, ...] = tuple(draft_layer_indices)
         # The decoder layer's attribute holding the MoE block (``mlp``; DeepSeek-V4: ``ffn``).
         self._moe_attr = moe_attr
-        self._local_experts = local_experts
         #: Expert parallel: the routed experts this FFN rank holds (loads), else ``None``.
         self.afd_local_experts = local_experts
         # Quantized experts (expert_quant != none): (scheme, group size) and the compute's top-k
@@ -378,7 +377,7 @@ class AFDFFNCausalLM(nn.Module):
             AFDRole.FFN,
             self._classify,
             self.afd_filter_stats,
-            local_experts=self._local_experts,
+            local_experts=self.afd_local_experts,
         )
         loader = AutoWeightsLoader(self)
         loaded = set(loader.load_weights(kept, mapper=self._mapper))
