@@ -1,5 +1,5 @@
 """Print the model's predictions for afd-plugin's DeepSeek-V3.2 W8A8 decode on Ascend 910C
-next to the published figures, and how the signs move when the assumed inputs move.
+next to the published figures, and how they move when the assumed inputs move.
 
 Run: ``python packages/afd-plan/benchmarks/published_910c.py`` (no device, no engine; the
 inputs and figures are those of ``tests/test_plan_published_afd_plugin.py``).
@@ -7,7 +7,6 @@ inputs and figures are those of ``tests/test_plan_published_afd_plugin.py``).
 
 from __future__ import annotations
 
-import itertools
 import sys
 from pathlib import Path
 
@@ -19,10 +18,14 @@ from afd_plan.shape import shape_from_config
 from afd_plan_inputs import DEEPSEEK_V32
 from test_plan_published_afd_plugin import (
     DEPLOYMENTS,
+    EXCHANGE_LATENCY_S,
     LENGTHS,
     PUBLISHED,
+    fit_kv_efficiency,
     predicted,
+    published_order,
     rates,
+    run_profile,
     workload,
 )
 
@@ -37,9 +40,20 @@ def _row(name: str, got: dict[int, dict[str, float]]) -> str:
     return f"{name:>6}  " + "  |  ".join(cells)
 
 
+def _gains(got: dict[int, dict[str, float]]) -> str:
+    return "  ".join(
+        f"{n // 1024}K {got[n]['64:16'] / got[n]['EP64'] - 1:+6.1%} / "
+        f"{got[n]['48:16'] / got[n]['EP64'] - 1:+6.1%}"
+        for n in LENGTHS
+    )
+
+
 def main() -> None:
-    base = load_profile("ascend-910c-die")
-    preds = predicted(base)
+    preds = predicted()
+    print(
+        f"exchange latency {EXCHANGE_LATENCY_S * 1e6:.0f} us (assumed), DSA kv_efficiency "
+        f"{fit_kv_efficiency(EXCHANGE_LATENCY_S)} (fitted to EP64 alone)"
+    )
     print("tokens/s per die, predicted / published (gain vs EP64: predicted vs published)")
     print("          16K" + " " * 38 + "32K")
     for name in DEPLOYMENTS:
@@ -51,39 +65,31 @@ def main() -> None:
                 f"binds {p.binding}"
             )
     shape = shape_from_config(DEEPSEEK_V32)
+    base = load_profile("ascend-910c-die")
     try:
         predict(shape, workload(32768, "model"), base, Candidate(64, 16, 2, 28, "w8a8"))
     except AFDPlanMemoryError as e:
         print(f"bf16 KV at 32K: {e}")
-    print("\nsensitivity: 64:16 / 48:16 gain vs EP64 at 16K and 32K; OK = published order")
-    grid = itertools.product(
-        (0.1e-6, 1e-6, 2e-6),  # message_overhead
-        (5e-6, 20e-6),  # link_latency
-        (0.8, 0.2, 0.055),  # kv_efficiency
-        (0.6, 0.3),  # compute_efficiency
-        (0.8, 0.5),  # memory_efficiency
-    )
-    hits = 0
-    for mo, lat, kv, ce, me in grid:
-        hw = base.with_overrides(
-            message_overhead=mo,
-            link_latency=lat,
-            kv_efficiency=kv,
-            compute_efficiency=ce,
-            memory_efficiency=me,
-        )
+
+    print("\nthe profile as shipped (10 us, DSA at its roofline): 64:16 / 48:16 vs EP64")
+    print("  " + _gains(rates(predicted(base))))
+    print("\nexchange latency (DSA refitted to EP64 at each): 64:16 / 48:16 vs EP64")
+    for us in range(10, 201, 10):
+        hw = run_profile(us * 1e-6)
         got = rates(predicted(hw))
-        ok = all(r["64:16"] > r["EP64"] > r["48:16"] for r in got.values())
-        hits += ok
-        gains = "  ".join(
-            f"{got[n]['64:16'] / got[n]['EP64'] - 1:+6.1%}/{got[n]['48:16'] / got[n]['EP64'] - 1:+6.1%}"
-            for n in LENGTHS
-        )
-        print(
-            f"msg {mo * 1e6:3.1f}us lat {lat * 1e6:2.0f}us kv_eff {kv:<5} compute {ce} "
-            f"memory {me}: {gains}{'  OK' if ok else ''}"
-        )
-    print(f"{hits} settings reproduce the published order")
+        ok = "  OK" if published_order(got) else ""
+        print(f"  {us:3d} us kv_eff {hw.kv_efficiency:.4f}: {_gains(got)}{ok}")
+    print("\nother inputs at the assumed latency: 64:16 / 48:16 vs EP64")
+    run = run_profile()
+    for label, changes in (
+        ("compute efficiency 0.3", {"compute_efficiency": 0.3}),
+        ("memory efficiency 0.5", {"memory_efficiency": 0.5}),
+        ("message 1 us a peer", {"message_overhead": 1e-6}),
+        ("message 2 us a peer", {"message_overhead": 2e-6}),
+        ("link efficiency 0.5", {"link_efficiency": 0.5}),
+    ):
+        got = rates(predicted(run.with_overrides(**changes)))
+        print(f"  {label:<24} {_gains(got)}{'  OK' if published_order(got) else ''}")
 
 
 if __name__ == "__main__":
