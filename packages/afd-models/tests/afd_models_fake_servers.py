@@ -27,6 +27,10 @@ class FakeServer:
     def stop(self, timeout_s: float = 60.0) -> None:
         self._events.append(f"stop {self.name}")
 
+    def restarted(self) -> FakeServer:
+        self._events.append(f"restarted {self.name}")
+        return FakeServer(self.name, self._text, self._events)
+
     def check_alive(self) -> None:
         self._events.append(f"alive {self.name}")
 

@@ -520,6 +520,49 @@ def test_run_bench_fails_when_a_quantized_ffn_rank_did_not_compute_quantized(
     assert events[-1] == "stop bench-1a1f-layered-w8a8-ffn"
 
 
+def test_several_engine_starts_give_each_row_the_median_of_the_per_start_medians(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[str] = []
+    ffn = FakeServer("d-ffn", "ffn metrics", events)
+    attention = FakeServer("d-attention", "", events)
+    by_start = iter([{1: 6.0, 4: 7.0}, {1: 9.0, 4: 8.0}, {1: 5.0, 4: 7.5}])
+    current: dict[int, float] = {}
+    monkeypatch.setattr(bench, "wait_until_healthy", lambda servers: current.update(next(by_start)))
+    measured: list[str] = []
+
+    def fake_measure(server: FakeServer, b: int, cfg: BenchConfig, setup: str) -> TPOTRow:
+        measured.append(server.name)
+        return TPOTRow(setup, b, current[b], (current[b], current[b] + 1))
+
+    monkeypatch.setattr(bench, "measure_tpot", fake_measure)
+    metrics: dict[str, str] = {}
+    cfg = BenchConfig(starts=3)
+    rows = bench.run_setup([attention, ffn], attention, (1, 4), cfg, "afd 1:1", metrics)
+
+    assert [(r.batch, r.tpot_ms, r.start_tpot_ms) for r in rows] == [
+        (1, 6.0, (6.0, 9.0, 5.0)),
+        (4, 7.5, (7.0, 8.0, 7.5)),
+    ]
+    assert rows[0].tpot_samples_ms == (6.0, 7.0, 9.0, 10.0, 5.0, 6.0)
+    assert measured == ["d-attention"] * 6  # the front server of every start
+    # Each start stops every server before the next starts (FFN first up, Attention first down);
+    # /metrics are read once, from the last start.
+    starts = [e for e in events if e.startswith(("start", "stop", "restarted"))]
+    one = ["start d-ffn", "start d-attention", "stop d-attention", "stop d-ffn"]
+    again = ["restarted d-attention", "restarted d-ffn"]
+    assert starts == [*one, *again, *one, *again, *one]
+    assert events.count("metrics d-ffn") == 1 and metrics == {
+        "d-attention": "",
+        "d-ffn": "ffn metrics",
+    }
+
+
+def test_starts_must_be_at_least_one() -> None:
+    with pytest.raises(ValueError, match="starts=0 must be >= 1"):
+        BenchConfig(starts=0)
+
+
 def test_stage_rows_derive_the_hidden_share_of_the_round_trips() -> None:
     one = [TPOTRow("afd 1:1", 4, 20.0, (20.0,)), TPOTRow("afd 1:1", 16, 30.0, (30.0,))]
     two = [

@@ -214,6 +214,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--max-tokens", type=int, default=48, help="tokens per request")
     bench.add_argument("--repeats", type=int, default=3, help="timed batches per row")
+    bench.add_argument(
+        "--starts",
+        type=int,
+        default=1,
+        help="engine starts per deployment; a row is the median of the per-start medians (a "
+        "setup's TPOT moves between starts of the same engines on a small VM)",
+    )
     bench.add_argument("--out", type=Path, default=None, help="JSON result file")
     bench.add_argument("--log-dir", type=Path, default=Path("afd-bench-logs"))
     bench.add_argument("--cache-dir", type=Path, default=None, help="tiny checkpoint cache")
@@ -517,6 +524,7 @@ def _bench(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             ffn_ranks=ffn_ranks,
             max_tokens=ns.max_tokens,
             repeats=ns.repeats,
+            starts=ns.starts,
             quantized=ns.quantized,
             stages=ns.stages,
             out=ns.out,

@@ -36,7 +36,9 @@ profile (:mod:`afd_models.demo.bench_plan`): the result's ``"plan"``, printed la
 TPOT of one request is ``(t_last - t_first) / (max_tokens - 1)`` over its streamed chunks (the
 decode phase only: prefill is before the first chunk); ``batch`` requests start together and run
 ``max_tokens`` tokens each (``ignore_eos``), so the engine decodes a batch of ``batch``
-throughout. Each row is the median over its requests and repeats, after one warm-up batch.
+throughout. Each row is the median over its requests and repeats, after one warm-up batch;
+with :attr:`BenchConfig.starts` > 1 the deployment is started that many times and the row is
+the median of the per-start medians (each kept as ``start_tpot_ms``).
 
 Derived per TPOT row: ``TPOT_afd / TPOT_plain``, and the AFD overhead per MoE layer hop
 ``(TPOT_afd - TPOT_plain) / L`` against the raw round trip of that batch. Targets on a 2-core
@@ -143,6 +145,10 @@ class BenchConfig:
     ffn_ranks: tuple[int, ...] = FFN_RANKS
     max_tokens: int = 48
     repeats: int = 3
+    #: Engine starts per deployment: a row is the median of its per-start medians. One
+    #: setup's TPOT moves by up to a third between starts of the same engines on a small VM
+    #: (and stays put within one), so a calibration needs several.
+    starts: int = 1
     quantized: bool = True
     stages: bool = True
     out: Path | None = None
@@ -162,6 +168,8 @@ class BenchConfig:
             raise ValueError(f"max_tokens={self.max_tokens!r} must be >= 4")
         if self.repeats < 1:
             raise ValueError(f"repeats={self.repeats!r} must be >= 1")
+        if self.starts < 1:
+            raise ValueError(f"starts={self.starts!r} must be >= 1")
 
     @property
     def gate_on_attention_ffn_ranks(self) -> tuple[int, ...]:
@@ -178,6 +186,8 @@ class TPOTRow:
     batch: int
     tpot_ms: float
     tpot_samples_ms: tuple[float, ...] = field(repr=False)
+    #: With several engine starts: each start's median (``tpot_ms`` is their median).
+    start_tpot_ms: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -391,18 +401,35 @@ def run_setup(
     setup: str,
     metrics: dict[str, str] | None = None,
 ) -> list[TPOTRow]:
-    """Start ``servers``, measure ``front`` at each batch size, stop them all; with ``metrics``,
-    first store each server's ``/metrics`` text under its name (read while it still serves)."""
-    for s in reversed(servers):
-        s.start()
-    try:
-        wait_until_healthy(list(servers))
-        rows = [measure_tpot(front, b, cfg, setup) for b in batches]
-        if metrics is not None:
-            metrics.update({s.name: s.metrics_text() for s in servers})
-        return rows
-    finally:
-        stop_all(servers)
+    """Start ``servers``, measure ``front`` at each batch size, stop them all, ``cfg.starts``
+    times (the same deployment again: :meth:`VLLMServer.restarted`); each row is the median of
+    the per-start medians. With ``metrics``, first store each server's ``/metrics`` text under
+    its name (read while the last start still serves)."""
+    index = list(servers).index(front)
+    per_start: list[list[TPOTRow]] = []
+    for start in range(cfg.starts):
+        if start:
+            servers = [s.restarted() for s in servers]
+            front = servers[index]
+        for s in reversed(servers):
+            s.start()
+        try:
+            wait_until_healthy(list(servers))
+            per_start.append([measure_tpot(front, b, cfg, setup) for b in batches])
+            if metrics is not None and start == cfg.starts - 1:
+                metrics.update({s.name: s.metrics_text() for s in servers})
+        finally:
+            stop_all(servers)
+    if cfg.starts == 1:
+        return per_start[0]
+    return [_across_starts(rows) for rows in zip(*per_start, strict=True)]
+
+
+def _across_starts(rows: Sequence[TPOTRow]) -> TPOTRow:
+    """One row from the same setup and batch measured at several engine starts."""
+    medians = tuple(r.tpot_ms for r in rows)
+    samples = tuple(x for r in rows for x in r.tpot_samples_ms)
+    return TPOTRow(rows[0].setup, rows[0].batch, statistics.median(medians), samples, medians)
 
 
 def compare(
@@ -762,6 +789,7 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
         "model": f"tiny qwen3_moe (hidden {hidden}, {layers} MoE layers)",
         "max_tokens": cfg.max_tokens,
         "repeats": cfg.repeats,
+        "starts": cfg.starts,
         "ffn_ranks": list(cfg.gate_on_attention_ffn_ranks),
         "env": dict(PLACEMENT_ENV),
         "default_threads_env": dict(DEFAULT_ENGINE_ENV),

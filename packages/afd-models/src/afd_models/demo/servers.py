@@ -342,6 +342,11 @@ class VLLMServer:
         _LIVE_SERVERS.add(self)
         self._progress(f"[{self.name}] started pid={self._proc.pid} log={self.config.log_path}")
 
+    def restarted(self) -> VLLMServer:
+        """A new, unstarted server with this one's config (same ports and log path): to start
+        the same deployment again once this one has stopped."""
+        return VLLMServer(self.config, self._progress)
+
     def poll(self) -> int | None:
         """The exit code if the process has ended, else None."""
         if self._proc is None:
