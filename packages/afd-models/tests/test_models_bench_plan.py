@@ -136,3 +136,19 @@ def test_rows_within_five_percent_are_a_tie_not_an_order() -> None:
     assert _misordered([a, b, c]) == ()
     assert a.error == pytest.approx(-0.9) and not a.within_target
     assert PlannedRow("w", 1, 10.0, 10.0 * (1 + TARGET_ERROR), "link").within_target
+
+
+def test_with_several_starts_overlapping_ranges_are_a_tie_and_disjoint_ones_an_order() -> None:
+    # Medians 15 % apart, but one start of x measured above one of y: the run cannot order them.
+    x = PlannedRow("x", 4, 7.3, 8.0, "link", start_ms=(8.45, 7.31, 7.19))
+    y = PlannedRow("y", 4, 8.4, 8.0 - 1e-9, "link", start_ms=(8.16, 9.56, 8.4))
+    assert x.tied_with(y) and y.tied_with(x)
+    assert _misordered([x, y]) == ()
+    # Disjoint ranges: measured x < y, predicted x > y: misordered, even within 5 %.
+    z = PlannedRow("z", 4, 7.6, 7.0, "link", start_ms=(7.5, 7.6, 7.7))
+    w = PlannedRow("w", 4, 7.9, 6.0, "link", start_ms=(7.8, 7.9, 8.0))
+    assert not z.tied_with(w)
+    assert _misordered([z, w]) == (("z b=4", "w b=4"),)
+    # One start only: the 5 % rule.
+    one = PlannedRow("one", 4, 7.6, 7.0, "link", start_ms=(7.6,))
+    assert one.tied_with(w)

@@ -39,6 +39,7 @@ def test_the_profile_takes_the_best_gemm_rate_and_the_large_copys_bandwidth() ->
     loaded = profile_from_mapping(profile, origin="test")  # a valid profile
     assert loaded.name == "calibrated"
     assert loaded.messages_use_compute is True  # a CPU host: the exchange runs on the cores
+    assert loaded.compute_overlaps_memory is False  # one core: streaming and arithmetic add
 
 
 @pytest.mark.timeout(300)

@@ -58,6 +58,16 @@ def test_mlp(tiny: ModelShape, device: HardwareProfile) -> None:
     assert mlp_time(tiny, W, device, tokens=4, intermediate=0).seconds == 0
 
 
+def test_without_overlap_a_term_adds_its_memory_and_compute_time(
+    tiny: ModelShape, device: HardwareProfile
+) -> None:
+    # As test_expert_time_weight_bound: 336 ns of weights and 49.152 ns of FLOPs; one CPU core
+    # (compute_overlaps_memory false) pays both: 385.152 ns, still named by the larger side.
+    serial = device.with_overrides(compute_overlaps_memory=False)
+    t = expert_time(tiny, W, serial, tokens=4, ranks=2, expert_quant="none")
+    assert t.seconds == pytest.approx(385.152e-9) and t.bound == "memory"
+
+
 def test_experts_hit_uniform_and_balanced(tiny: ModelShape) -> None:
     # 4 tokens over 2 ranks: E_loc = 4; uniform 4 * (1 - (1 - 2/8)^4) = 4 * 0.68359375.
     assert experts_hit(tiny, W, 4, 2) == pytest.approx(2.734375)

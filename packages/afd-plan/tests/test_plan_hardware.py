@@ -54,6 +54,15 @@ def test_messages_use_compute_defaults_off_and_round_trips(tmp_path: Path) -> No
     assert "messages_use_compute" not in profile_from_mapping(ROUND_DEVICE).to_mapping()
 
 
+def test_compute_overlaps_memory_defaults_on_and_round_trips(tmp_path: Path) -> None:
+    assert profile_from_mapping(ROUND_DEVICE).compute_overlaps_memory is True
+    host = profile_from_mapping({**ROUND_DEVICE, "compute_overlaps_memory": False})
+    assert host.compute_overlaps_memory is False
+    (tmp_path / "host.json").write_text(json.dumps(host.to_mapping()))
+    assert load_profile(tmp_path / "host.json") == host
+    assert "compute_overlaps_memory" not in profile_from_mapping(ROUND_DEVICE).to_mapping()
+
+
 def test_host_cores_default_to_own_devices_and_round_trip(tmp_path: Path) -> None:
     own = profile_from_mapping(ROUND_DEVICE)
     assert own.host_cores == 0 and own.time_sharing(64) == 1.0
@@ -79,6 +88,7 @@ def test_host_cores_default_to_own_devices_and_round_trip(tmp_path: Path) -> Non
         ({"name": ""}, "name", "non-empty"),
         ({"messages_use_compute": 1}, "messages_use_compute", "true or false"),
         ({"messages_use_compute": "yes"}, "messages_use_compute", "true or false"),
+        ({"compute_overlaps_memory": 0}, "compute_overlaps_memory", "true or false"),
         ({"host_cores": -1}, "host_cores", "an integer >= 0"),
         ({"host_cores": 2.0}, "host_cores", "an integer >= 0"),
         ({"host_cores": True}, "host_cores", "an integer >= 0"),

@@ -104,6 +104,28 @@ def test_messages_on_the_roles_compute_are_not_hidden_by_stages(
         assert one.moe_layer.period == pytest.approx(109.072512e-6, rel=1e-6)
 
 
+def test_on_a_cpu_host_a_direction_pays_one_message_whatever_the_peers(
+    tiny: ModelShape, device: HardwareProfile
+) -> None:
+    """``messages_use_compute``: the messages to (or from) every peer are in flight together, so
+    one direction costs one ``message_overhead`` at each end; a device pays one per peer."""
+    from afd_plan.cost import message_costs
+
+    slow = device.with_overrides(link_latency=0, message_overhead=5e-6, link_bandwidth=1e15)
+    host = slow.with_overrides(messages_use_compute=True)
+    assert message_costs(slow, 2, 4) == (4 * 5e-6, 2 * 5e-6)
+    assert message_costs(host, 2, 4) == (5e-6, 5e-6)
+    work = Workload(input_len=1, output_len=1, routing="balanced")
+    # 1 Attention : 2 FFN, b=2000, S=2 on the host: per micro-batch t_a 24.96 us; the busiest
+    # FFN rank's experts serve 1000 tokens * 2 / 2 ranks = 1000 pairs: 12.288 us. Attention
+    # 2 * (24.96 + 2 * 5) = 69.92 us, as at 1:1: the second FFN rank costs no message.
+    two_ffn = predict(tiny, work, host, Candidate(1, 2, 2, 2000))
+    assert two_ffn.moe_layer.period == pytest.approx(69.92e-6, rel=1e-6)
+    # On the device the Attention end posts one message per FFN rank: its exchange is 2 * 5 us.
+    dev = predict(tiny, work, slow, Candidate(1, 2, 2, 2000))
+    assert dev.moe_layer.transfer.seconds == pytest.approx(10e-6, rel=1e-3)
+
+
 def test_a_role_busy_with_its_messages_is_named(tiny: ModelShape, device: HardwareProfile) -> None:
     host = device.with_overrides(link_latency=0, messages_use_compute=True)
     # mb = 1 (b=2, S=2): t_a 0.25984 us, t_f 0.24576 us, m = 1 us, wire 12.8 ns.

@@ -2,7 +2,7 @@
 
 Every compute term is a roofline: ``t = max(bytes / bandwidth, flops / flop_rate) +
 layer_overhead`` with the profile's effective rates (peak x efficiency), and says which side
-bound it. Every transfer term is ``messages * message_overhead + link_latency + bytes /
+bound it; with the profile's ``compute_overlaps_memory`` false (one CPU core) the two sides add. Every transfer term is ``messages * message_overhead + link_latency + bytes /
 link_rate``. Symbols: ``H`` hidden size, ``k`` top-k, ``E`` routed experts, ``b`` tokens (decode
 sequences) of one micro-batch on one Attention rank, ``A`` / ``F`` Attention / FFN ranks.
 
@@ -19,8 +19,8 @@ sequences) of one micro-batch on one Attention rank, ``A`` / ``F`` Attention / F
   fall on independent, uniformly placed ranks).
 * :func:`transfer_time`: one direction of one layer's exchange, the slower of the two ends:
   an Attention rank sends ``b * fanout * H * act_bytes`` in ``F`` messages; an FFN rank
-  receives ``A * b * fanout / F * H * act_bytes`` in ``A`` messages. The reply is the same size
-  (a partial sum per token and FFN rank).
+  receives ``A * b * fanout / F * H * act_bytes`` in ``A`` messages (their software:
+  :func:`message_costs`). The reply is the same size (a partial sum per token and FFN rank).
 * :func:`lm_head_time`: the LM head once per step on the Attention side.
 """
 
@@ -41,6 +41,7 @@ __all__ = [
     "experts_hit",
     "fanout",
     "lm_head_time",
+    "message_costs",
     "mlp_time",
     "roofline",
     "transfer_time",
@@ -71,11 +72,13 @@ def roofline(
     nbytes: float, flops: float, hw: HardwareProfile, dtype: str, kv_bytes: float = 0.0
 ) -> Term:
     """``max(nbytes / bandwidth + kv_bytes / kv_bandwidth, flops / flop_rate(dtype)) +
-    layer_overhead``; ``bytes`` of the term counts both."""
+    layer_overhead`` (the sum of the two instead of their max when the profile's
+    ``compute_overlaps_memory`` is false); ``bytes`` of the term counts both."""
     t_mem = nbytes / hw.bandwidth + kv_bytes / hw.kv_bandwidth
     t_flop = flops / hw.flops(dtype)
     bound = "compute" if t_flop > t_mem else "memory"
-    return Term(max(t_mem, t_flop) + hw.layer_overhead, nbytes + kv_bytes, flops, bound)
+    t = max(t_mem, t_flop) if hw.compute_overlaps_memory else t_mem + t_flop
+    return Term(t + hw.layer_overhead, nbytes + kv_bytes, flops, bound)
 
 
 def attention_time(
@@ -168,9 +171,22 @@ def transfer_time(
     per_token = fanout(shape, num_ffn) * shape.hidden_size * shape.dtype_bytes
     sent = batch * per_token
     received = num_attention * batch * per_token / num_ffn
-    t_attn_end = num_ffn * hw.message_overhead + hw.link_latency + sent / hw.link_rate
-    t_ffn_end = num_attention * hw.message_overhead + hw.link_latency + received / hw.link_rate
+    m_attn, m_ffn = message_costs(hw, num_attention, num_ffn)
+    t_attn_end = m_attn + hw.link_latency + sent / hw.link_rate
+    t_ffn_end = m_ffn + hw.link_latency + received / hw.link_rate
     return Term(max(t_attn_end, t_ffn_end), sent, 0.0, "link")
+
+
+def message_costs(hw: HardwareProfile, num_attention: int, num_ffn: int) -> tuple[float, float]:
+    """The message software of one direction of one exchange at the Attention end and at the
+    FFN end: one ``message_overhead`` per peer (``F`` and ``A``); with ``messages_use_compute``
+    (a CPU host) one per direction, whatever the peers: the messages to (or from) every peer are
+    in flight together and what a message costs there is the wake-up of the waiting side, paid
+    once (on the calibration host 1 Attention : 2 FFN measured 1.4-1.5x the 1:1 pair, the
+    share of a third engine on two cores, not twice the messages)."""
+    if hw.messages_use_compute:
+        return hw.message_overhead, hw.message_overhead
+    return num_ffn * hw.message_overhead, num_attention * hw.message_overhead
 
 
 def all_to_all_time(shape: ModelShape, hw: HardwareProfile, batch: float, ranks: int) -> Term:

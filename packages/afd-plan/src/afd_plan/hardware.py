@@ -34,6 +34,10 @@ key                        meaning                                              
                            compute (a CPU host: the cores that compute also post
                            and complete messages), so stages cannot hide it
                            (default false: a host CPU posts, the device computes)
+``compute_overlaps_memory`` a kernel streams its weights while it computes, so a     true/false
+                           roofline term takes the slower of the two (default
+                           true); false (one CPU core: streaming and arithmetic
+                           share it) adds them
 ``host_cores``             the cores every role's engine shares (a CPU host where  int >= 0
                            all roles run on one machine): a deployment with more
                            engines than cores stretches every step by
@@ -135,6 +139,7 @@ class HardwareProfile:
     sequence_overhead: float = 0.0
     kv_efficiency: float = 0.0
     messages_use_compute: bool = False
+    compute_overlaps_memory: bool = True
     host_cores: int = 0
     description: str = ""
 
@@ -200,6 +205,7 @@ class HardwareProfile:
             "sequence_overhead": self.sequence_overhead,
             **({"kv_efficiency": self.kv_efficiency} if self.kv_efficiency else {}),
             **({"messages_use_compute": True} if self.messages_use_compute else {}),
+            **({} if self.compute_overlaps_memory else {"compute_overlaps_memory": False}),
             **({"host_cores": self.host_cores} if self.host_cores else {}),
         }
 
@@ -246,7 +252,8 @@ def load_profile(spec: str | Path) -> HardwareProfile:
 
 def profile_from_mapping(data: Mapping[str, Any], *, origin: str = "profile") -> HardwareProfile:
     """Validate a parsed profile; every error names ``<origin>:<key>``, the value and the range."""
-    allowed_keys = {*_REQUIRED, *_OPTIONAL, "description", "messages_use_compute", "host_cores"}
+    flags = ("messages_use_compute", "compute_overlaps_memory")
+    allowed_keys = {*_REQUIRED, *_OPTIONAL, "description", *flags, "host_cores"}
     for key in data:
         if key not in allowed_keys:
             raise AFDPlanError(f"{origin}:{key}", data[key], f"a key among {sorted(allowed_keys)}")
@@ -260,8 +267,10 @@ def profile_from_mapping(data: Mapping[str, Any], *, origin: str = "profile") ->
     if not isinstance(description, str):
         raise AFDPlanError(f"{origin}:description", description, "a string")
     on_compute = data.get("messages_use_compute", False)
-    if not isinstance(on_compute, bool):
-        raise AFDPlanError(f"{origin}:messages_use_compute", on_compute, "true or false")
+    overlaps = data.get("compute_overlaps_memory", True)
+    for key, flag in zip(flags, (on_compute, overlaps), strict=True):
+        if not isinstance(flag, bool):
+            raise AFDPlanError(f"{origin}:{key}", flag, "true or false")
     cores = data.get("host_cores", 0)
     if isinstance(cores, bool) or not isinstance(cores, int) or cores < 0:
         raise AFDPlanError(f"{origin}:host_cores", cores, "an integer >= 0 (0: own devices)")
@@ -295,6 +304,7 @@ def profile_from_mapping(data: Mapping[str, Any], *, origin: str = "profile") ->
         source=data["source"],
         description=description,
         messages_use_compute=on_compute,
+        compute_overlaps_memory=overlaps,
         host_cores=cores,
         peak_flops=checked_peaks,
         **values,

@@ -13,9 +13,10 @@ The first three are the busy time of each resource per period (each of the ``S``
 passes each resource once per layer); the last is one micro-batch's own dependency chain
 (attention -> send -> experts -> reply), which no schedule can shorten. With the profile's
 ``messages_use_compute`` (a CPU host: the cores that compute also post and complete the
-messages) each role's busy time also holds its own messages both ways, ``S * (t_a + 2 F m)``
-and ``S * (t_f + 2 A m)`` (``m`` = ``message_overhead``), and the link only its wire time
-``S * (o - max(F, A) m)``: stages hide the wire, never the message software. ``S = 1`` gives the
+messages) each role's busy time also holds its own messages both ways, ``S * (t_a + 2 m)``
+and ``S * (t_f + 2 m)`` (``m`` = ``message_overhead``: once per direction there, the peers'
+messages being in flight together, :func:`~afd_plan.cost.message_costs`), and the link only its
+wire time ``S * (o - m)``: stages hide the wire, never the message software. ``S = 1`` gives the
 serial sum ``t_a + t_f + 2 t_c``; ``S >= 2`` hides transfers and the other role's compute only
 while the chain fits in the busiest resource's time (MegaScale-Infer's condition). Splitting is
 not free: each micro-batch re-reads the weights, so a weight-bound ``t_f(b/S)`` is about
@@ -64,6 +65,7 @@ from afd_plan.cost import (
     expert_time,
     fanout,
     lm_head_time,
+    message_costs,
     mlp_time,
     transfer_time,
 )
@@ -309,7 +311,7 @@ def _moe_layer(
         if hw.messages_use_compute:
             # Each role posts and completes its own messages, both ways, on its compute: the
             # link keeps only the wire time (the larger end's message software moves over).
-            m_a, m_f = f * hw.message_overhead, a * hw.message_overhead
+            m_a, m_f = message_costs(hw, a, f)
             messages = {"attention": s * 2 * m_a, "ffn": s * 2 * m_f}
             busy["attention"] += messages["attention"]
             busy["ffn"] += messages["ffn"]

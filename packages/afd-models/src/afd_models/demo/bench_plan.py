@@ -31,6 +31,11 @@ other row is a prediction from them and the profile's rates. Why: the same plain
 3.06 ms in one ``afd bench`` and 4.37 ms in the calibration run an hour before it on the shared
 VM, which alone put every prediction 40 % off.
 
+Order: two rows at the same batch count as ordered otherwise than measured when the model
+reverses an order the measurement establishes: with several engine starts for both
+(``afd bench --starts``) their per-start medians do not overlap, otherwise they are more than
+5 % apart.
+
 Workload: every request's prompt is one of the demo prompts (about :data:`PROMPT_TOKENS`
 tokens) and it decodes ``max_tokens`` tokens; decode is priced at the mean context.
 """
@@ -94,6 +99,18 @@ class PlannedRow:
     binding: str
     #: The engine overheads were fitted on this row (see the module docstring).
     anchor: bool = False
+    #: With several engine starts (``afd bench --starts``): each start's median TPOT.
+    start_ms: tuple[float, ...] = ()
+
+    def tied_with(self, other: PlannedRow) -> bool:
+        """Whether the measurement cannot order the two rows: with several engine starts for
+        both, their per-start ranges overlap; otherwise they are within 5 % of each other."""
+        if len(self.start_ms) > 1 and len(other.start_ms) > 1:
+            return min(self.start_ms) <= max(other.start_ms) and (
+                min(other.start_ms) <= max(self.start_ms)
+            )
+        gap = abs(self.measured_ms - other.measured_ms)
+        return gap <= 0.05 * min(self.measured_ms, other.measured_ms)
 
     @property
     def error(self) -> float:
@@ -185,9 +202,16 @@ def compare_with_plan(
         is_anchor = anchors is not None and (
             (setup == "plain" and batch in anchors[0]) or (setup, batch) == ("afd 1:1", 1)
         )
+        starts = tuple(float(x) for x in raw.get("start_tpot_ms", ()))
         rows.append(
             PlannedRow(
-                setup, batch, float(raw["tpot_ms"]), pred.tpot_s * 1e3, pred.binding, is_anchor
+                setup,
+                batch,
+                float(raw["tpot_ms"]),
+                pred.tpot_s * 1e3,
+                pred.binding,
+                is_anchor,
+                starts,
             )
         )
     return PlanComparison(hw.name, tuple(rows), _misordered(rows), anchored)
@@ -207,14 +231,12 @@ def _anchor_rows(
 
 
 def _misordered(rows: Sequence[PlannedRow]) -> tuple[tuple[str, str], ...]:
-    """Pairs of rows at the same batch whose measured order the prediction reverses (rows
-    within 5 % of each other in the measurement count as a tie and are not compared)."""
+    """Pairs of rows at the same batch whose measured order the prediction reverses (rows the
+    measurement cannot order, :meth:`PlannedRow.tied_with`, are not compared)."""
     out: list[tuple[str, str]] = []
     for i, x in enumerate(rows):
         for y in rows[i + 1 :]:
-            if x.batch != y.batch:
-                continue
-            if abs(x.measured_ms - y.measured_ms) <= 0.05 * min(x.measured_ms, y.measured_ms):
+            if x.batch != y.batch or x.tied_with(y):
                 continue
             if (x.measured_ms < y.measured_ms) != (x.predicted_ms < y.predicted_ms):
                 out.append((f"{x.setup} b={x.batch}", f"{y.setup} b={y.batch}"))

@@ -19,6 +19,8 @@ what each role gets under ``afd bench``'s placement):
 * ``memory_bytes``: this host's RAM.
 * ``messages_use_compute``: true (a message's software runs on the cores of the role that sends
   or receives it).
+* ``compute_overlaps_memory``: false (one core streams a layer's weights and computes on them
+  in turn: a decode GEMM's time is about the two added, not the larger).
 * **Engine software** (:func:`measure_engine`, unless ``--no-engine``): vLLM itself on the tiny Qwen3-MoE, with the
   thread placement ``afd bench`` uses: plain vLLM at batch 1 and 16 and an AFD pair (1:1, gate
   on FFN) at batch 1, each a median TPOT. What the model's layer terms (on the rates above) do
@@ -359,6 +361,8 @@ def profile_mapping(cal: Calibration, *, name: str = "calibrated") -> dict[str, 
         # The cores that compute also run the exchange's software (proxy, connector, service
         # loop, wake-ups): stages cannot hide it (afd-plan's messages_use_compute).
         "messages_use_compute": True,
+        # One core streams the weights and computes on them in turn (afd-plan adds the two).
+        "compute_overlaps_memory": False,
         # Every role's engine runs on this host's cores (afd-plan's time sharing).
         "host_cores": os.cpu_count() or 1,
     }
