@@ -516,8 +516,10 @@ def test_run_bench_fails_when_a_quantized_ffn_rank_did_not_compute_quantized(
         RuntimeError, match="afd 1:1 layered w8a8: no afd_ffn_quantized_expert_bytes"
     ):
         bench.run_bench(cfg, progress=lambda msg: None)
-    # The deployment was stopped before the check.
-    assert events[-1] == "stop bench-1a1f-layered-w8a8-ffn"
+    # Every deployment ran and was stopped before the check.
+    assert "stop bench-1a1f-layered-w8a8-ffn" in events
+    started = {e.split()[1] for e in events if e.startswith("start ")}
+    assert started == {e.split()[1] for e in events if e.startswith("stop ")}
 
 
 def test_several_engine_starts_give_each_row_the_median_of_the_per_start_medians(
@@ -556,6 +558,30 @@ def test_several_engine_starts_give_each_row_the_median_of_the_per_start_medians
         "d-attention": "",
         "d-ffn": "ffn metrics",
     }
+
+
+def test_several_deployments_are_started_in_rounds_not_one_after_another(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events: list[str] = []
+    a, b = FakeServer("a", "", events), FakeServer("b", "b metrics", events)
+    monkeypatch.setattr(bench, "wait_until_healthy", lambda servers: None)
+    level = iter([5.0, 7.0, 6.0, 8.0])  # a, b, a, b: the host drifts between rounds
+    monkeypatch.setattr(
+        bench, "measure_tpot", lambda server, n, cfg, setup: TPOTRow(setup, n, next(level), ())
+    )
+    da = bench.Deployment("A", [a], a, (1,))
+    db = bench.Deployment("B", [b], b, (1,), want_metrics=True)
+    printed: list[str] = []
+    bench.run_deployments([da, db], BenchConfig(starts=2), printed.append)
+
+    runs = [e for e in events if e.startswith(("start", "restarted"))]
+    assert runs == ["start a", "start b", "restarted a", "start a", "restarted b", "start b"]
+    assert printed == ["A (start 1/2)", "B (start 1/2)", "A (start 2/2)", "B (start 2/2)"]
+    assert [r.start_tpot_ms for r in da.rows] == [(5.0, 6.0)]
+    assert [r.start_tpot_ms for r in db.rows] == [(7.0, 8.0)]
+    assert db.metrics == {"b": "b metrics"} and da.metrics == {}
+    assert events.count("metrics b") == 1  # from the last round only
 
 
 def test_starts_must_be_at_least_one() -> None:

@@ -218,8 +218,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--starts",
         type=int,
         default=1,
-        help="engine starts per deployment; a row is the median of the per-start medians (a "
-        "setup's TPOT moves between starts of the same engines on a small VM)",
+        help="engine starts per deployment, in rounds over every deployment; a row is the "
+        "median of the per-start medians (a setup's TPOT moves between starts of the same "
+        "engines on a small VM, and the VM drifts over a run)",
     )
     bench.add_argument("--out", type=Path, default=None, help="JSON result file")
     bench.add_argument("--log-dir", type=Path, default=Path("afd-bench-logs"))

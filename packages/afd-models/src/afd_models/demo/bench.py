@@ -37,8 +37,9 @@ TPOT of one request is ``(t_last - t_first) / (max_tokens - 1)`` over its stream
 decode phase only: prefill is before the first chunk); ``batch`` requests start together and run
 ``max_tokens`` tokens each (``ignore_eos``), so the engine decodes a batch of ``batch``
 throughout. Each row is the median over its requests and repeats, after one warm-up batch;
-with :attr:`BenchConfig.starts` > 1 the deployment is started that many times and the row is
-the median of the per-start medians (each kept as ``start_tpot_ms``).
+with :attr:`BenchConfig.starts` > 1 every deployment is started that many times, in rounds
+(each round starts every deployment once, :func:`run_deployments`), and the row is the median
+of the per-start medians (each kept as ``start_tpot_ms``).
 
 Derived per TPOT row: ``TPOT_afd / TPOT_plain``, and the AFD overhead per MoE layer hop
 ``(TPOT_afd - TPOT_plain) / L`` against the raw round trip of that batch. Targets on a 2-core
@@ -145,9 +146,9 @@ class BenchConfig:
     ffn_ranks: tuple[int, ...] = FFN_RANKS
     max_tokens: int = 48
     repeats: int = 3
-    #: Engine starts per deployment: a row is the median of its per-start medians. One
-    #: setup's TPOT moves by up to a third between starts of the same engines on a small VM
-    #: (and stays put within one), so a calibration needs several.
+    #: Engine starts per deployment, in rounds over every deployment: a row is the median of
+    #: its per-start medians. One setup's TPOT moves by up to a third between starts of the
+    #: same engines on a small VM (and stays put within one), and the VM drifts over a run.
     starts: int = 1
     quantized: bool = True
     stages: bool = True
@@ -393,6 +394,55 @@ def bench_options(cfg: BenchConfig, env: Mapping[str, str]) -> EngineOptions:
     )
 
 
+@dataclass
+class Deployment:
+    """One deployment ``afd bench`` measures: its servers (unstarted), the one it measures
+    through, the batch sizes; :func:`run_deployments` fills ``rows`` and, with
+    ``want_metrics``, ``metrics`` (each server's ``/metrics`` text by name, read while the last
+    start still serves)."""
+
+    setup: str
+    servers: list[VLLMServer]
+    front: VLLMServer
+    batches: tuple[int, ...]
+    want_metrics: bool = False
+    rows: list[TPOTRow] = field(default_factory=list)
+    metrics: dict[str, str] = field(default_factory=dict)
+
+
+def run_deployments(
+    deployments: Sequence[Deployment], cfg: BenchConfig, progress: Progress = print
+) -> None:
+    """Start each deployment, measure its front server at each batch size, stop it; in
+    ``cfg.starts`` rounds, each round starting every deployment once in order (a later start is
+    the same deployment again: :meth:`VLLMServer.restarted`). A row is the median of the
+    per-start medians. Rounds, not consecutive starts, because what drifts on a shared host
+    over a run (tens of minutes) then spreads over every deployment instead of landing on the
+    ones measured last."""
+    per_start: list[list[list[TPOTRow]]] = [[] for _ in deployments]
+    current = [list(d.servers) for d in deployments]
+    for start in range(cfg.starts):
+        for i, d in enumerate(deployments):
+            progress(d.setup if cfg.starts == 1 else f"{d.setup} (start {start + 1}/{cfg.starts})")
+            if start:
+                current[i] = [s.restarted() for s in current[i]]
+            servers = current[i]
+            front = servers[d.servers.index(d.front)]
+            for s in reversed(servers):
+                s.start()
+            try:
+                wait_until_healthy(list(servers))
+                per_start[i].append([measure_tpot(front, b, cfg, d.setup) for b in d.batches])
+                if d.want_metrics and start == cfg.starts - 1:
+                    d.metrics.update({s.name: s.metrics_text() for s in servers})
+            finally:
+                stop_all(servers)
+    for d, runs in zip(deployments, per_start, strict=True):
+        d.rows = (
+            runs[0] if cfg.starts == 1 else [_across_starts(r) for r in zip(*runs, strict=True)]
+        )
+
+
 def run_setup(
     servers: Sequence[VLLMServer],
     front: VLLMServer,
@@ -401,28 +451,13 @@ def run_setup(
     setup: str,
     metrics: dict[str, str] | None = None,
 ) -> list[TPOTRow]:
-    """Start ``servers``, measure ``front`` at each batch size, stop them all, ``cfg.starts``
-    times (the same deployment again: :meth:`VLLMServer.restarted`); each row is the median of
-    the per-start medians. With ``metrics``, first store each server's ``/metrics`` text under
-    its name (read while the last start still serves)."""
-    index = list(servers).index(front)
-    per_start: list[list[TPOTRow]] = []
-    for start in range(cfg.starts):
-        if start:
-            servers = [s.restarted() for s in servers]
-            front = servers[index]
-        for s in reversed(servers):
-            s.start()
-        try:
-            wait_until_healthy(list(servers))
-            per_start.append([measure_tpot(front, b, cfg, setup) for b in batches])
-            if metrics is not None and start == cfg.starts - 1:
-                metrics.update({s.name: s.metrics_text() for s in servers})
-        finally:
-            stop_all(servers)
-    if cfg.starts == 1:
-        return per_start[0]
-    return [_across_starts(rows) for rows in zip(*per_start, strict=True)]
+    """One deployment alone (:func:`run_deployments`; its ``cfg.starts`` starts follow each
+    other). With ``metrics``, first store each server's ``/metrics`` text under its name."""
+    d = Deployment(setup, list(servers), front, tuple(batches), want_metrics=metrics is not None)
+    run_deployments([d], cfg, progress=lambda _msg: None)
+    if metrics is not None:
+        metrics.update(d.metrics)
+    return d.rows
 
 
 def _across_starts(rows: Sequence[TPOTRow]) -> TPOTRow:
@@ -647,21 +682,32 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
     round_trip = raw_round_trip_ms(cfg.batch_sizes, hidden)
     log_dir = Path(cfg.log_dir)
 
-    plain_rows: list[TPOTRow] = []
+    # Declare every deployment first, then run them (in rounds with --starts), then derive.
+    deployments: list[Deployment] = []
+
+    def declare(
+        setup: str,
+        servers: Sequence[VLLMServer],
+        batches: Sequence[int],
+        *,
+        metrics: bool = False,
+    ) -> Deployment:
+        d = Deployment(setup, list(servers), servers[0], tuple(batches), want_metrics=metrics)
+        deployments.append(d)
+        return d
+
     plain_setups = (
         ("plain", "plain", PLACEMENT_ENV),
         (DEFAULT_THREADS_SETUP, "plain-default-threads", DEFAULT_ENGINE_ENV),
     )
+    plain_runs = []
     for setup, name, env in plain_setups:
-        progress(setup)
         options = bench_options(cfg, env)
         plain = plain_server(model, log_dir=log_dir, options=options, name=name, progress=progress)
-        plain_rows += run_setup([plain], plain, cfg.batch_sizes, cfg, setup)
+        plain_runs.append(declare(setup, [plain], cfg.batch_sizes))
 
-    afd_rows: list[TPOTRow] = []
+    afd_runs: list[Deployment] = []
     for attention_ranks, batches in ((1, cfg.batch_sizes), (2, (largest,))):
-        setup = setup_name(attention_ranks, 1, gate_on_attention=False)
-        progress(setup)
         attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
@@ -671,12 +717,13 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             prefix=f"bench-{attention_ranks}a1f",
             progress=progress,
         )
-        afd_rows += run_setup([attention, *ffns], attention, batches, cfg, setup)
+        setup = setup_name(attention_ranks, 1, gate_on_attention=False)
+        afd_runs.append(declare(setup, [attention, *ffns], batches))
 
     # Two-stage overlap at 1:1 (gate on FFN), against one stage: the tiny model (its one-stage
     # rows are the afd 1:1 rows above) and the wide one (both measured here).
-    stages: list[StageRow] = []
-    stage_tpot: list[TPOTRow] = []
+    stage_plans: list[tuple[TinyWidth, str, dict[int, float], Deployment, str]] = []
+    stage_runs: list[Deployment] = []
     checkpoints = {"tiny": str(model)}
     stage_batches = tuple(b for b in cfg.batch_sizes if b >= 2)
     for width in STAGE_WIDTHS if cfg.stages and stage_batches else ():
@@ -698,7 +745,6 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
                     DEFAULT_ENGINE_ENV,
                 ),
             ):
-                progress(plain_setup)
                 plain = plain_server(
                     stage_model,
                     log_dir=log_dir,
@@ -706,9 +752,8 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
                     name=name,
                     progress=progress,
                 )
-                stage_tpot += run_setup([plain], plain, stage_batches, cfg, plain_setup)
+                stage_runs.append(declare(plain_setup, [plain], stage_batches))
             checkpoints[width] = str(stage_model)
-            progress(one_setup)
             attention, ffns = afd_servers(
                 stage_model,
                 log_dir=log_dir,
@@ -718,9 +763,8 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
                 prefix=f"bench-1a1f-{width}",
                 progress=progress,
             )
-            stage_tpot += run_setup([attention, *ffns], attention, stage_batches, cfg, one_setup)
+            stage_runs.append(declare(one_setup, [attention, *ffns], stage_batches))
         two_setup = f"{one_setup} stages=2"
-        progress(two_setup)
         attention, ffns = afd_servers(
             stage_model,
             log_dir=log_dir,
@@ -732,20 +776,13 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             prefix="bench-1a1f-stages2" if width == "tiny" else f"bench-1a1f-{width}-stages2",
             progress=progress,
         )
-        metrics: dict[str, str] = {}
-        two = run_setup([attention, *ffns], attention, stage_batches, cfg, two_setup, metrics)
-        stage_tpot += two
-        split = split_step_share(parse_ffn_stats(metrics[ffns[0].name]).get(0))
-        one = [r for r in (*afd_rows, *stage_tpot) if r.setup == one_setup]
-        stages += stage_rows(one, two, rt, layers, split, width)
+        two = declare(two_setup, [attention, *ffns], stage_batches, metrics=True)
+        stage_runs.append(two)
+        stage_plans.append((width, one_setup, rt, two, ffns[0].name))
 
     # Quantized FFN computes at 1:1 (gate on FFN), against the native afd 1:1 rows above.
-    quantized: list[QuantizedRow] = []
-    quantized_tpot: list[TPOTRow] = []
-    native = [r for r in afd_rows if r.setup == setup_name(1, 1, gate_on_attention=False)]
-    plain_ref = [r for r in plain_rows if r.setup == "plain"]
+    quantized_runs: list[tuple[QuantizedSetup, Deployment, str]] = []
     for q in QUANTIZED_SETUPS if cfg.quantized else ():
-        progress(q.setup)
         attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
@@ -756,17 +793,12 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             prefix=f"bench-1a1f-{q.ffn_compute}-{q.scheme}".replace("_", "-"),
             progress=progress,
         )
-        metrics = {}
-        rows_q = run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, q.setup, metrics)
-        quantized_tpot += rows_q
-        report = parse_quantized(metrics[ffns[0].name]).get(0)
-        quantized += quantized_rows(q, rows_q, native, plain_ref, report)
+        d = declare(q.setup, [attention, *ffns], cfg.batch_sizes, metrics=True)
+        quantized_runs.append((q, d, ffns[0].name))
 
     # Gate on Attention, 1:F; F = 1 first: the bytes-per-step reference.
-    traffic: list[TrafficRow] = []
+    gate_runs: list[tuple[Deployment, list[str]]] = []
     for num_ffn_ranks in cfg.gate_on_attention_ffn_ranks:
-        setup = setup_name(1, num_ffn_ranks, gate_on_attention=True)
-        progress(setup)
         attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
@@ -777,11 +809,36 @@ def run_bench(cfg: BenchConfig, progress: Progress = print) -> dict[str, Any]:
             prefix=f"bench-1a{num_ffn_ranks}f-gate-attn",
             progress=progress,
         )
-        metrics = {}
-        afd_rows += run_setup([attention, *ffns], attention, cfg.batch_sizes, cfg, setup, metrics)
-        stats = [parse_ffn_stats(metrics[f.name]).get(rank) for rank, f in enumerate(ffns)]
+        setup = setup_name(1, num_ffn_ranks, gate_on_attention=True)
+        d = declare(setup, [attention, *ffns], cfg.batch_sizes, metrics=True)
+        gate_runs.append((d, [f.name for f in ffns]))
+
+    run_deployments(deployments, cfg, progress)
+
+    plain_rows = [r for d in plain_runs for r in d.rows]
+    afd_rows = [r for d in afd_runs for r in d.rows]
+    stage_tpot = [r for d in stage_runs for r in d.rows]
+    stages: list[StageRow] = []
+    for stage_width, one_setup, rt, two, ffn_name in stage_plans:
+        split = split_step_share(parse_ffn_stats(two.metrics[ffn_name]).get(0))
+        one = [r for r in (*afd_rows, *stage_tpot) if r.setup == one_setup]
+        stages += stage_rows(one, two.rows, rt, layers, split, stage_width)
+
+    quantized: list[QuantizedRow] = []
+    quantized_tpot: list[TPOTRow] = []
+    native = [r for r in afd_rows if r.setup == setup_name(1, 1, gate_on_attention=False)]
+    plain_ref = [r for r in plain_rows if r.setup == "plain"]
+    for q, d, ffn_name in quantized_runs:
+        quantized_tpot += d.rows
+        report = parse_quantized(d.metrics[ffn_name]).get(0)
+        quantized += quantized_rows(q, d.rows, native, plain_ref, report)
+
+    traffic: list[TrafficRow] = []
+    for d, ffn_names in gate_runs:
+        afd_rows += d.rows
+        stats = [parse_ffn_stats(d.metrics[name]).get(rank) for rank, name in enumerate(ffn_names)]
         reference = traffic[0].bytes_per_step if traffic else None
-        traffic.append(traffic_row(setup, stats, reference))
+        traffic.append(traffic_row(d.setup, stats, reference))
 
     rows = compare(plain_ref, afd_rows, round_trip, layers)
     tpot = [asdict(r) for r in (*plain_rows, *afd_rows, *stage_tpot, *quantized_tpot)]
