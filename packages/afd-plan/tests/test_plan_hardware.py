@@ -45,22 +45,18 @@ def test_json_and_toml_files(tmp_path: Path) -> None:
     assert load_profile(tmp_path / "p.json").memory_bandwidth == 1e11
 
 
-def test_messages_use_compute_defaults_off_and_round_trips(tmp_path: Path) -> None:
-    assert profile_from_mapping(ROUND_DEVICE).messages_use_compute is False
-    host = profile_from_mapping({**ROUND_DEVICE, "messages_use_compute": True})
-    assert host.messages_use_compute is True
+@pytest.mark.parametrize(
+    ("flag", "default"), [("messages_use_compute", False), ("compute_overlaps_memory", True)]
+)
+def test_a_flag_has_its_default_round_trips_and_is_written_only_when_set(
+    flag: str, default: bool, tmp_path: Path
+) -> None:
+    assert getattr(profile_from_mapping(ROUND_DEVICE), flag) is default
+    host = profile_from_mapping({**ROUND_DEVICE, flag: not default})
+    assert getattr(host, flag) is (not default)
     (tmp_path / "host.json").write_text(json.dumps(host.to_mapping()))
     assert load_profile(tmp_path / "host.json") == host
-    assert "messages_use_compute" not in profile_from_mapping(ROUND_DEVICE).to_mapping()
-
-
-def test_compute_overlaps_memory_defaults_on_and_round_trips(tmp_path: Path) -> None:
-    assert profile_from_mapping(ROUND_DEVICE).compute_overlaps_memory is True
-    host = profile_from_mapping({**ROUND_DEVICE, "compute_overlaps_memory": False})
-    assert host.compute_overlaps_memory is False
-    (tmp_path / "host.json").write_text(json.dumps(host.to_mapping()))
-    assert load_profile(tmp_path / "host.json") == host
-    assert "compute_overlaps_memory" not in profile_from_mapping(ROUND_DEVICE).to_mapping()
+    assert flag not in profile_from_mapping(ROUND_DEVICE).to_mapping()
 
 
 def test_host_cores_default_to_own_devices_and_round_trip(tmp_path: Path) -> None:
