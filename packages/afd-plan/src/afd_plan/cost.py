@@ -2,7 +2,8 @@
 
 Every compute term is a roofline: ``t = max(bytes / bandwidth, flops / flop_rate) +
 layer_overhead`` with the profile's effective rates (peak x efficiency), and says which side
-bound it; with the profile's ``compute_overlaps_memory`` false (one CPU core) the two sides add. Every transfer term is ``messages * message_overhead + link_latency + bytes /
+bound it; with the profile's ``compute_overlaps_memory`` false (one CPU core) the two sides
+add. Every transfer term is ``messages * message_overhead + link_latency + bytes /
 link_rate``. Symbols: ``H`` hidden size, ``k`` top-k, ``E`` routed experts, ``b`` tokens (decode
 sequences) of one micro-batch on one Attention rank, ``A`` / ``F`` Attention / FFN ranks.
 
