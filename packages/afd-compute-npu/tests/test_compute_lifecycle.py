@@ -42,7 +42,7 @@ def inputs(t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, ids, w
 
 
-PARAMS = MegaCommParams(group_name="g0", world_size=2, rank=0, peer_ranks=(1,))
+PARAMS = MegaCommParams(group_name="g0", world_size=1, rank=0, peer_ranks=())
 
 
 def test_mega_refuses_to_run_unbound_before_any_side_effect() -> None:

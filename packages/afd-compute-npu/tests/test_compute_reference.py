@@ -69,7 +69,7 @@ def build(weights: QuantizedExpertWeights) -> tuple[LayeredCompute, MegaCompute]
     )
     layered = LayeredCompute(weights, cfg, ReferenceBackend())
     mega = MegaCompute(weights, cfg, ReferenceBackend())
-    mega.bind(MegaCommParams(group_name="ffn", world_size=2, rank=0, peer_ranks=(1,)))
+    mega.bind(MegaCommParams(group_name="ffn", world_size=1, rank=0, peer_ranks=()))
     return layered, mega
 
 

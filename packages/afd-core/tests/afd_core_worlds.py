@@ -767,16 +767,24 @@ def agreement_rank(rank: int, port: int, case: str) -> dict[str, Any]:
     * ``geometry``: the FFN ranks publish different ``role_agreement`` (quantization geometry);
     * ``hook``: FFN rank 1's bind between ``open_groups`` and ``confirm_ready`` fails (it
       aborts in stage ``bind``, as afd-runtime does when a Mega bind fails);
-    * ``ok``: equal agreement; every rank records its group info between the two steps.
+    * ``ok``: equal agreement; every rank records its group info between the two steps;
+    * ``mega``: as ``ok``, the FFN ranks computing with Mega (``expert_dispatch='ffn'``): they
+      also get the group of the FFN ranks and sum a tensor over it.
     """
     topo = AFDTopology(1, 2)
     role, role_rank = topo.role_of(rank)
+    mega: dict[str, Any] = {}
+    if case == "mega":
+        mega = {"expert_dispatch": "ffn"}
+        if role is AFDRole.FFN:
+            mega.update(ffn_compute="mega", expert_quant="w8a8")
     cfg = _config(
         role,
         port,
         1,
         2,
         compute_gate_on_attention=True,
+        **mega,
         ffn_rank=role_rank if role is AFDRole.FFN else 0,
         timeout_s=15.0,
     )
@@ -798,6 +806,11 @@ def agreement_rank(rank: int, port: int, case: str) -> dict[str, Any]:
         conn.open_groups()
         seen.append(conn.group_info())
         group = conn.data_process_group()
+        ffn_group: dict[str, Any] = {}
+        if case == "mega" and role is AFDRole.FFN:
+            t = torch.tensor([float(role_rank + 1)])
+            conn.ffn_process_group().allreduce([t]).wait()
+            ffn_group = {"info": conn.ffn_group_info(), "sum": float(t)}
         if case == "hook" and role is AFDRole.FFN and role_rank == 1:
             reason = "RuntimeError: planted bind failure on FFN rank 1"
             conn.abort("bind", reason)
@@ -808,7 +821,7 @@ def agreement_rank(rank: int, port: int, case: str) -> dict[str, Any]:
     info = conn.group_info()
     backend = str(group.name())
     conn.close()
-    return {"error": None, "info": info, "seen": seen, "backend": backend}
+    return {"error": None, "info": info, "seen": seen, "backend": backend, "ffn": ffn_group}
 
 
 def replaced_ffn_proc(proc: int, port: int, liveness_s: float) -> dict[str, Any]:

@@ -53,7 +53,8 @@ def test_full_mapping_and_roundtrip() -> None:
         "timeout_s": 7,
         "startup_timeout_s": "30",
         "ffn_loss_grace_s": "12.5",
-        "ffn_compute": "Mega",
+        "ffn_compute": "Layered",
+        "expert_dispatch": "Attention",
         "expert_quant": "W4A8",
         "expert_quant_group_size": "32",
         "connector_extra_config": {"check_sequence": True},
@@ -68,7 +69,8 @@ def test_full_mapping_and_roundtrip() -> None:
         "timeout_s": 7.0,
         "startup_timeout_s": 30.0,
         "ffn_loss_grace_s": 12.5,
-        "ffn_compute": "mega",
+        "ffn_compute": "layered",
+        "expert_dispatch": "attention",
         "expert_quant": "w4a8",
         "expert_quant_group_size": 32,
     }
@@ -329,6 +331,42 @@ def test_invalid_compute_and_quant_combinations_name_the_field(
     assert (ok.ffn_compute, ok.expert_quant, ok.expert_quant_group_size) == ("mega", "w4a8", 32)
 
 
+def test_expert_dispatch_fits_the_ffn_compute_and_names_the_field() -> None:
+    ep = {"num_ffn_ranks": 2, "compute_gate_on_attention": True}
+    mega = {"role": "ffn", "ffn_compute": "mega", "expert_quant": "w8a8", **ep}
+    ok = AFDConfig.from_mapping({**mega, "expert_dispatch": "FFN"})
+    assert ok.expert_dispatch == "ffn" and ok.needs_ffn_group
+    assert AFDConfig.from_mapping({"role": "attention", **ep, "expert_dispatch": "ffn"})
+    # One FFN rank: both ways are the same (every token goes to it).
+    one = AFDConfig.from_mapping({**mega, "num_ffn_ranks": 1})
+    assert one.expert_dispatch == "attention" and one.needs_ffn_group
+    assert not AFDConfig.from_mapping({"role": "ffn"}).needs_ffn_group
+    refused = [
+        ({**mega}, "attention", "'ffn' with ffn_compute='mega' and num_ffn_ranks=2"),
+        (
+            {"role": "ffn", "ffn_compute": "layered", "expert_quant": "w8a8", **ep},
+            "ffn",
+            "'attention' with ffn_compute='layered'",
+        ),
+        ({"role": "ffn", **ep}, "ffn", "'attention' with ffn_compute='native'"),
+        (
+            {"role": "attention", "num_ffn_ranks": 3, "compute_gate_on_attention": True},
+            "ffn",
+            None,
+        ),
+        ({"role": "attention", **ep, "expert_dispatch": "home"}, "home", "one of"),
+    ]
+    for raw, value, allowed in refused:
+        raw = {"expert_dispatch": value, **raw} if "expert_dispatch" not in raw else raw
+        if allowed is None:  # replicated experts: each would live on two ranks
+            raw = {**raw, "expert_replicas": 2}
+            allowed = "'attention' with expert_replicas=2"
+        with pytest.raises(AFDConfigError) as info:
+            AFDConfig.from_mapping(raw)
+        assert (info.value.field, info.value.value) == ("expert_dispatch", value), raw
+        assert allowed in info.value.allowed, (raw, info.value.allowed)
+
+
 def test_direct_construction_does_not_coerce() -> None:
     assert AFDConfig(role=AFDRole.FFN).role is AFDRole.FFN
     assert AFDConfig(role="ffn").role is AFDRole.FFN  # type: ignore[arg-type]
@@ -447,6 +485,7 @@ def test_agreement_hash_covers_exactly_the_shared_fields() -> None:
         {"num_ffn_ranks": 1},
         {"port": 1240},
         {"host": "127.0.0.2"},
+        {"expert_dispatch": "ffn"},  # both roles must send the same way
     ]
     raw = base.to_mapping()
     for change in same:

@@ -332,6 +332,40 @@ def test_open_groups_then_confirm_ready_is_a_whole_start() -> None:
     f.close()
 
 
+def test_ffn_ranks_of_a_collective_compute_get_a_group_of_their_own() -> None:
+    """``needs_ffn_group`` (Mega on the FFN ranks): the connector opens a gloo group of the FFN
+    ranks only, ranked in FFN order, on which they can run a collective."""
+    port = next(_ports)
+    ep = {"num_ffn_ranks": 2, "compute_gate_on_attention": True, "expert_dispatch": "ffn"}
+    mega = {"ffn_compute": "mega", "expert_quant": "w8a8", **ep}
+    a = conn("attention", port, **ep)
+    ffns = [conn("ffn", port, r, ffn_rank=r, **mega) for r in range(2)]
+    sums: dict[int, float] = {}
+
+    def ffn_start(r: int) -> None:
+        f = ffns[r]
+        f.open_groups()
+        info = f.ffn_group_info()
+        assert (info.world_size, info.rank, info.peer_ranks) == (2, r, (1 - r,))
+        assert info.name.endswith("/ffn")
+        t = torch.tensor([float(r + 1)])
+        f.ffn_process_group().allreduce([t]).wait()
+        sums[r] = float(t)
+        f.confirm_ready()
+
+    assert in_threads(a.init, lambda: ffn_start(0), lambda: ffn_start(1)) == [None] * 3
+    assert sums == {0: 3.0, 1: 3.0}
+    with pytest.raises(AFDConnectorError):  # the Attention rank is in no such group
+        a.ffn_process_group()
+    for c in (a, *ffns):
+        c.close()
+    with pytest.raises(AFDConnectorError):  # closed: released
+        ffns[0].ffn_process_group()
+    plain = conn("ffn", next(_ports))
+    with pytest.raises(AFDConnectorError):  # a native compute: no group opened
+        plain.ffn_group_info()
+
+
 def test_served_ranks_disagreeing_on_stages_is_a_protocol_error() -> None:
     port = next(_ports)
     f = conn("ffn", port, num_attention_ranks=2)

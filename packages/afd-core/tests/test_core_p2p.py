@@ -643,6 +643,22 @@ def test_open_groups_exposes_the_data_group_before_ready() -> None:
 
 
 @pytest.mark.timeout(120)
+def test_mega_ffn_ranks_get_a_group_of_the_ffn_ranks_only() -> None:
+    """With Mega on the FFN ranks (``needs_ffn_group``) each FFN rank also gets a group of the
+    FFN ranks (FFN-rank order), on which a collective runs; the Attention rank is in none."""
+    results = ok(run_world(worlds.agreement_rank, 3, free_port(), "mega", timeout_s=100))
+    port_tag = results[0]["info"].name.split("/")[1]
+    assert results[0]["error"] is None and results[0]["ffn"] == {}
+    for world_rank, ffn_rank in ((1, 0), (2, 1)):
+        out = results[world_rank]
+        assert out["error"] is None, out
+        info = out["ffn"]["info"]
+        assert (info.world_size, info.rank, info.peer_ranks) == (2, ffn_rank, (1 - ffn_rank,))
+        assert info.name == f"afd-p2p/{port_tag}/g1/ffn"
+        assert out["ffn"]["sum"] == 3.0  # 1 + 2 over the two FFN ranks
+
+
+@pytest.mark.timeout(120)
 def test_attention_notices_idle_ffn_loss_and_pairs_with_its_replacement() -> None:
     out = run_world(worlds.replaced_ffn_proc, 3, free_port(), 2.0, timeout_s=110)
     assert out[1] == ("exit", -9), out[1]

@@ -285,3 +285,23 @@ def test_from_config_carries_the_replicas() -> None:
         role=AFDRole.ATTENTION, num_ffn_ranks=2, compute_gate_on_attention=True, expert_replicas=2
     )
     assert AFDTopology.from_config(c).expert_replicas == 2
+
+
+@pytest.mark.parametrize(
+    ("peers", "ffn", "homes"),
+    [
+        (4, 2, (0, 0, 1, 1)),  # consecutive peers share an FFN rank
+        (3, 2, (0, 0, 1)),
+        (2, 1, (0, 0)),
+        (1, 2, (0,)),  # fewer peers than FFN ranks: FFN rank 1 gets no tokens of its own
+        (6, 3, (0, 0, 1, 1, 2, 2)),
+    ],
+)
+def test_home_ffn_rank_splits_the_peers_in_consecutive_groups(
+    peers: int, ffn: int, homes: tuple[int, ...]
+) -> None:
+    topo = AFDTopology(peers, ffn)
+    assert tuple(topo.home_ffn_rank(a) for a in range(peers)) == homes
+    with pytest.raises(AFDConfigError) as err:
+        topo.home_ffn_rank(peers)
+    assert err.value.field == "role_rank"

@@ -9,7 +9,14 @@ tolerance AND above a floor that only quantization explains, so a path that sile
 fp32 fails. (On CPU both run afd-compute-npu's reference backend: comparing Layered's tokens with
 Mega's would compare the same math, so it is not asserted.) The FFN quantized its experts (expert
 bytes against bf16 as the scheme implies) and Mega was bound to the communicator of the
-connector's data group. Exact parity with plain fp32 vLLM is not expected.
+connector's group of the FFN ranks. Exact parity with plain fp32 vLLM is not expected.
+
+DeepSeek-V2 also serves Mega over two FFN ranks (``expert_dispatch: ffn``): the Attention rank
+sends every token once, to FFN rank 0, and the two Megas dispatch and combine among themselves
+(the reference's exchange over the FFN ranks' gloo group). Its tokens must equal the one-FFN-rank
+Mega's (fp32: each rank's share is its slots' terms, their sum the one-rank sum), and FFN rank 1
+must have received no tokens from the Attention role (its experts' share went through the FFN
+ranks' group; afd-compute-npu's tests show the output differs without it).
 
 And: a Mega bind failure (injected with ``AFD_INJECT_FAULT=mega_bind``) makes the Attention role
 exit non-zero at startup with the FFN's message (published in stage ``bind``), within its
@@ -35,6 +42,7 @@ from afd_models.demo.servers import (
     ServerExitedError,
     afd_servers,
     parity_options,
+    parse_ffn_stats,
     parse_quant_error,
     parse_quantized,
     stop_all,
@@ -59,6 +67,8 @@ CASES = {
     ),
     "deepseek_v3": (True, {"expert_quant": "w8a8"}, 0.52, ("layered",)),
 }
+#: The family whose case also serves Mega over two FFN ranks (gate on Attention: EP needs it).
+MEGA_OVER_TWO = "deepseek_v2"
 
 
 def _root(tmp_path_factory: pytest.TempPathFactory, env: str, name: str) -> Path:
@@ -123,9 +133,47 @@ def test_layered_and_mega_each_within_tolerance_of_the_float_reference_and_quant
         # error means this compute did not run quantized.
         assert max_rel > QUANTIZED_ERROR_FLOOR, (compute, layer, max_rel)
         if compute == "mega":
-            assert re.search(r"Mega bound to \S+ \(group afd-p2p/\S+/data\)", log), log[-3000:]
+            assert re.search(r"Mega bound to \S+ \(group afd-p2p/\S+/ffn\)", log), log[-3000:]
     for compute in computes:
         assert all(len(t) == MAX_TOKENS for t in outputs[compute])
+    if family == MEGA_OVER_TWO:
+        _mega_over_two_ffn_ranks(model, log_dir, outputs["mega"])
+
+
+def _mega_over_two_ffn_ranks(model: Path, log_dir: Path, one_rank: list[list[int]]) -> None:
+    _gate, quant, _, _ = CASES[MEGA_OVER_TWO]
+    attention, ffns = afd_servers(
+        model,
+        log_dir=log_dir,
+        options=parity_options(model, OPTIONS),
+        num_attention_ranks=1,
+        num_ffn_ranks=2,
+        gate_on_attention=True,
+        afd_extra={"expert_dispatch": "ffn"},
+        ffn_extra={"ffn_compute": "mega", **quant},
+        prefix=f"quant-{MEGA_OVER_TWO}-mega-1a2f",
+        progress=print,
+    )
+    servers = [*ffns, attention]
+    for server in servers:
+        server.start()
+    try:
+        wait_until_healthy(servers)
+        batch = complete_many(
+            attention.base_url, DEMO_PROMPTS[:3], max_tokens=MAX_TOKENS, concurrency=1
+        )
+        stats = [parse_ffn_stats(f.metrics_text())[rank] for rank, f in enumerate(ffns)]
+        logs = [f.log_text() for f in ffns]
+    finally:
+        print(stop_all(servers))
+    assert [c.token_ids for c in batch.completions] == one_rank
+    # Every token travelled once, to FFN rank 0; rank 1's share came through the FFN group.
+    assert stats[0].tokens > 0 and stats[0].bytes > 0
+    assert stats[1].tokens == 0 and stats[1].bytes == 0, stats[1]
+    assert stats[1].steps == stats[0].steps > 0
+    for rank, log in enumerate(logs):
+        bound = rf"FFN rank {rank}: Mega bound to \S+/ffn \(group afd-p2p/\S+/ffn\)"
+        assert re.search(bound, log), log[-3000:]
 
 
 @pytest.mark.timeout(900)

@@ -97,6 +97,28 @@ def test_demo_config_takes_deepseek_v3_expert_parallel_and_quantized() -> None:
     assert (quant.ffn_compute, quant.expert_quant) == ("layered", "w8a8")
 
 
+def test_demo_runs_mega_over_several_ffn_ranks_with_the_ffn_dispatching() -> None:
+    """Mega dispatches among the FFN ranks itself: with --ffn-ranks 2 the demo's roles get
+    ``expert_dispatch: ffn``; with one FFN rank, and for Layered, the Attention role dispatches."""
+    argv = ["--ffn-ranks", "2", "--gate", "attention", "--ffn-compute", "mega"]
+    cfg = cli.parse_demo_config([*argv, "--expert-quant", "w8a8"])
+    assert (cfg.num_ffn_ranks, cfg.expert_dispatch) == (2, "ffn")
+    assert DemoConfig(ffn_compute="mega", expert_quant="w8a8").expert_dispatch == "attention"
+    layered = DemoConfig(
+        num_ffn_ranks=2, gate_on_attention=True, ffn_compute="layered", expert_quant="w8a8"
+    )
+    assert layered.expert_dispatch == "attention"
+    with pytest.raises(ValueError) as err:  # Mega places each expert on one FFN rank
+        DemoConfig(
+            num_ffn_ranks=2,
+            gate_on_attention=True,
+            expert_replicas=2,
+            ffn_compute="mega",
+            expert_quant="w8a8",
+        )
+    assert "expert_dispatch" in str(err.value) and "expert_replicas=2" in str(err.value)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -345,7 +345,8 @@ def test_ffn_extra_reaches_the_ffn_role_mapping_only() -> None:
         "num_attention_ranks": 1,
         "num_ffn_ranks": 2,
         "gate_on_attention": True,
-        "extra": {"timeout_s": 30.0},
+        # Mega over two FFN ranks dispatches among them itself: an agreement field of both.
+        "extra": {"timeout_s": 30.0, "expert_dispatch": "ffn"},
         "ffn_extra": QUANT_FIELDS,
     }
     ffn = afd_config("ffn", ffn_rank=1, **common)
@@ -357,6 +358,7 @@ def test_ffn_extra_reaches_the_ffn_role_mapping_only() -> None:
         "ffn_rank": 1,
         "compute_gate_on_attention": True,
         "timeout_s": 30.0,
+        "expert_dispatch": "ffn",
         **QUANT_FIELDS,
     }
     attention = afd_config("attention", **common)
@@ -367,6 +369,7 @@ def test_ffn_extra_reaches_the_ffn_role_mapping_only() -> None:
         "num_ffn_ranks": 2,
         "compute_gate_on_attention": True,
         "timeout_s": 30.0,
+        "expert_dispatch": "ffn",
     }
     assert json.loads(afd_role_args("ffn", **common)[1])["afd"]["expert_quant"] == "w4a8"
     att_args = afd_role_args("attention", **common)

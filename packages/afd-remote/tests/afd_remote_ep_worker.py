@@ -197,3 +197,55 @@ def run(rank: int, port: int, a: int, f: int, connector: str = "p2p") -> dict[st
         conn.close()
     report["role"] = str(role)
     return report
+
+
+def run_home(rank: int, port: int, a: int, f: int) -> dict[str, Any]:
+    """``expert_dispatch='ffn'`` over the in-process connector: each Attention rank's tokens all
+    go to its home FFN rank (:meth:`AFDTopology.home_ffn_rank`), which answers each token's whole
+    toy output (as Mega does after dispatching among the FFN ranks); the other FFN ranks get
+    empty transfers. Reports what each FFN rank received per Attention rank and layer."""
+    topo = AFDTopology(a, f)
+    role, role_rank = topo.role_of(rank)
+    ffn_side = {"ffn_compute": "mega", "expert_quant": "w8a8"} if role is AFDRole.FFN else {}
+    cfg = AFDConfig(
+        role=role,
+        connector="inprocess",
+        port=port,
+        num_attention_ranks=a,
+        num_ffn_ranks=f,
+        ffn_rank=role_rank if role is AFDRole.FFN else 0,
+        compute_gate_on_attention=True,
+        expert_dispatch="ffn",
+        timeout_s=60.0,
+        **ffn_side,  # type: ignore[arg-type]
+    )
+    spec = AFDPayloadSpec(hidden_size=HIDDEN, dtype=torch.float32, top_k=TOP_K)
+    conn = create_connector(cfg, role_rank, payload_spec=spec, num_layers=LAYERS, topology=topo)
+    conn.init()
+    report: dict[str, Any] = {"problems": []}
+    try:
+        if role is AFDRole.ATTENTION:
+            moe = [AFDAttentionFusedMoE(layer, gate_on_attention=True) for layer in range(LAYERS)]
+            conn.send_control(AFDControlMessage(((tokens(role_rank),),)))
+            for layer in range(LAYERS):
+                hidden, weights, ids = routing(role_rank, layer)
+                with set_afd_forward_metadata(AFDForwardMetadata(connector=conn)):
+                    transfer = moe[layer].dispatch_routed(hidden, weights, ids, EXPERTS)
+                    out = moe[layer].receive(transfer)
+                report.setdefault("counts", []).append(transfer.metadata.num_tokens)
+                if not torch.equal(out, toy_partial(hidden, weights, ids)):
+                    report["problems"].append(f"attention {role_rank} layer {layer}: output")
+            conn.send_control(AFDControlMessage.shutdown_message())
+        else:
+            conn.recv_control()
+            for layer in range(LAYERS):
+                meta, payloads = conn.recv_dispatch(layer, 0)
+                report.setdefault("received", []).append(meta.num_tokens)
+                # Global ids as routed: the whole output of each token.
+                outs = [toy_partial(p.hidden_states, p.topk_weights, p.topk_ids) for p in payloads]
+                conn.send_combine(outs, meta)
+            if not conn.recv_control().shutdown:
+                report["problems"].append("no shutdown message")
+    finally:
+        conn.close()
+    return report

@@ -14,7 +14,13 @@ import torch
 from afd_core.errors import AFDPayloadError
 from afd_core.expert_map import ExpertMap
 from afd_core.testing import free_port, run_world
-from afd_remote import combine_expert_outputs, plan_expert_dispatch, split_for_dispatch
+from afd_core.topology import AFDTopology
+from afd_remote import (
+    combine_expert_outputs,
+    plan_expert_dispatch,
+    plan_home_dispatch,
+    split_for_dispatch,
+)
 
 sys.path.insert(0, str(Path(__file__).parent))
 import afd_remote_ep_worker as worker
@@ -76,15 +82,29 @@ def test_plan_and_combine_reject_bad_shapes() -> None:
 _ports = itertools.count(7500)  # in-process worlds are named by host:port; nothing listens
 
 
-def _in_threads(a: int, f: int) -> dict[int, Any]:
-    """``worker.run`` for every world rank on a thread, over the in-process connector; outcomes
-    as :func:`afd_core.testing.run_world` reports them."""
+def test_home_plan_sends_every_row_to_one_rank() -> None:
+    plan = plan_home_dispatch(4, 1, 3)
+    assert plan.counts == (0, 4, 0) and plan.rows[1].tolist() == [0, 1, 2, 3]
+    parts = [torch.zeros(0, 2), torch.arange(8.0).reshape(4, 2), torch.zeros(0, 2)]
+    assert torch.equal(combine_expert_outputs(parts, plan), parts[1])  # the home's rows as replied
+    assert plan_home_dispatch(0, 0, 2).counts == (0, 0)
+    with pytest.raises(AFDPayloadError) as err:
+        plan_home_dispatch(4, 3, 3)
+    assert (err.value.field, err.value.value) == ("home", 3)
+
+
+def _in_threads(a: int, f: int, run: Any = None) -> dict[int, Any]:
+    """``run`` (default ``worker.run``) for every world rank on a thread, over the in-process
+    connector; outcomes as :func:`afd_core.testing.run_world` reports them."""
     port = next(_ports)
     outcomes: dict[int, Any] = {}
 
     def rank(r: int) -> None:
         try:
-            outcomes[r] = ("ok", worker.run(r, port, a, f, "inprocess"))
+            if run is None:
+                outcomes[r] = ("ok", worker.run(r, port, a, f, "inprocess"))
+            else:
+                outcomes[r] = ("ok", run(r, port, a, f))
         except Exception as err:
             outcomes[r] = ("error", f"{type(err).__name__}: {err}")
 
@@ -138,3 +158,24 @@ def test_dispatch_routed_round_trip(a: int, f: int, transport: str) -> None:
         for layer in range(worker.LAYERS):
             stage1 = staged[2 * layer + 1]
             assert all(stage1[ar] == 0 for ar in range(1, a)), (fr, layer, staged)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("a", "f"), [(1, 2), (2, 2), (3, 2), (4, 2), (2, 3)])
+def test_expert_dispatch_ffn_sends_each_token_once_to_its_home_rank(a: int, f: int) -> None:
+    """``expert_dispatch='ffn'`` (Mega dispatches among the FFN ranks): every token travels once,
+    to the home FFN rank of its Attention rank; every FFN rank still sees every layer."""
+    outcomes = _in_threads(a, f, worker.run_home)
+    reports = {}
+    for rank, outcome in outcomes.items():
+        assert outcome[0] == "ok", (rank, outcome)
+        reports[rank] = outcome[1]
+        assert reports[rank]["problems"] == [], (rank, reports[rank])
+    topo = AFDTopology(a, f)
+    for arank in range(a):
+        home = topo.home_ffn_rank(arank)
+        want = tuple(worker.tokens(arank) if fr == home else 0 for fr in range(f))
+        assert reports[arank]["counts"] == [want] * worker.LAYERS
+        for fr in range(f):
+            got = [layer[arank] for layer in reports[a + fr]["received"]]
+            assert got == [want[fr]] * worker.LAYERS

@@ -237,18 +237,19 @@ class _HCCLGroup:
 
 
 class _Conn:
-    """What the FFN service hands a binding compute after ``open_groups()``."""
+    """What the FFN service hands a binding compute after ``open_groups()``: the group of the
+    FFN ranks (one here, so the model's experts are all of them)."""
 
-    def __init__(self, name: str = "afd-p2p/127.0.0.1:1/g1/data", group: Any = None) -> None:
+    def __init__(self, name: str = "afd-p2p/127.0.0.1:1/g1/ffn", group: Any = None) -> None:
         from afd_core.connector import AFDGroupInfo
 
-        self.info = AFDGroupInfo(name=name, world_size=3, rank=2, peer_ranks=(0, 1))
+        self.info = AFDGroupInfo(name=name, world_size=1, rank=0, peer_ranks=())
         self.group = group if group is not None else _HCCLBackend()
 
-    def group_info(self) -> Any:
+    def ffn_group_info(self) -> Any:
         return self.info
 
-    def data_process_group(self) -> Any:
+    def ffn_process_group(self) -> Any:
         return self.group
 
 
@@ -270,8 +271,9 @@ def test_layered_and_mega_compute_identical_outputs_and_mega_binds_per_connectio
     with pytest.raises(MegaNotBoundError):  # no step runs unbound
         mega(1, x, None)
     mega.bind(_Conn())
-    mega.bind(_Conn("afd-p2p/127.0.0.1:1/g2/data"))  # a new connection: a new bound Mega
-    assert mega.binds == 2 and mega.bound_group_name == "hccl_comm_2"
+    mega.bind(_Conn("afd-p2p/127.0.0.1:1/g2/ffn"))  # a new connection: a new bound Mega
+    assert mega.binds == 2 and mega.bound_group_name == "hccl_comm_0"
+    assert not mega.collective  # one FFN rank: a local compute
     for layer in (1, 3):
         a, b = layered(layer, x, None), mega(layer, x, None)
         assert a.shape == (5, 64) and torch.equal(a, b)
@@ -290,6 +292,7 @@ def test_layered_and_mega_compute_identical_outputs_and_mega_binds_per_connectio
         sig = {**labels, "layer": str(layer), "compute": "layered", "signature": digest}
         assert REGISTRY.get_sample_value("afd_ffn_compute_signature_info", sig) == 1
     assert layered.role_agreement() == {
+        "ffn_compute": "layered",
         "expert_quant": "w4a8_per_channel",
         "group_size": 0,
         "hidden_size": 64,
@@ -310,15 +313,16 @@ def test_injected_mega_bind_failure(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(AFDCommBindError) as err:
         mega.bind(_Conn())
     assert (err.value.field, err.value.value) == ("ffn_compute", "mega")
-    assert "communicator 'hccl_comm_2'" in str(err.value)
+    assert "communicator 'hccl_comm_0'" in str(err.value)
     assert isinstance(err.value.__cause__, InjectedFaultError)
     assert "AFD_INJECT_FAULT=mega_bind" in str(err.value)
     assert mega.binds == 0
 
 
 def test_mega_is_bound_to_the_hccl_communicator_name_that_reaches_dispatch_ffn_combine() -> None:
-    """Contract (no NPU): the name torch-npu's HCCL backend gives for the connector's data group
-    and this world rank is the ``group_name`` Ascend's fused kernel receives."""
+    """Contract (no NPU): the name torch-npu's HCCL backend gives for the connector's group of
+    the FFN ranks and this rank's place in it is the ``group_name`` Ascend's fused kernel
+    receives."""
     from afd_compute_npu import AscendBackend
     from afd_runtime.quantized import QuantizedFFNCompute
     from afd_weights import QuantScheme
@@ -340,11 +344,11 @@ def test_mega_is_bound_to_the_hccl_communicator_name_that_reaches_dispatch_ffn_c
     )
     conn = _Conn()
     mega.bind(conn)  # type: ignore[arg-type]
-    assert conn.group.asked == [2]  # the data group's HCCL backend, for world rank 2
+    assert conn.group.asked == [0]  # the FFN group's HCCL backend, for its rank 0
     mega(1, torch.ones(3, 64, dtype=torch.bfloat16), None)
     (args,) = calls
-    assert args[9] == "hccl_comm_2"
-    assert args[10] == 8 * 2 * 3  # max_output_size: max tokens x top-k x world size
+    assert args[9] == "hccl_comm_0"
+    assert args[10] == 8 * 2 * 1  # max_output_size: max tokens x top-k x group size
 
 
 def test_communicator_name_per_kind_of_group() -> None:
@@ -361,7 +365,7 @@ def test_communicator_name_per_kind_of_group() -> None:
     assert communicator_name(gloo, 0, "afd-p2p/h:1/g1/data") == "afd-p2p/h:1/g1/data"
     with pytest.raises(AFDCommBindError) as err:
         communicator_name(object(), 0, "label")
-    assert (err.value.field, err.value.value) == ("data_process_group", "object")
+    assert (err.value.field, err.value.value) == ("ffn_process_group", "object")
 
     class _Nameless(_HCCLBackend):
         def get_hccl_comm_name(self, rank: int) -> str:

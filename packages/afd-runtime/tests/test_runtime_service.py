@@ -206,6 +206,7 @@ class _FailingBind:
     """A compute that binds to the connector's communicator (as Mega does) and cannot."""
 
     needs_bind = True
+    collective = False
 
     def __init__(self) -> None:
         self.opened_before_bind: list[bool] = []

@@ -44,7 +44,9 @@ encoded to int64 fp32 bits once at preparation; W8A8 passes **empty** bias lists
         probs fp32 [T,K], group_name, max_output_size, out[T,H] dt, expert_token_nums int32 [E],
         x_active_mask=None, swiglu_limit=L)
 
-with ``max_output_size = max_tokens * top_k * world_size``. Both paths multiply the ``[T, H]``
+with ``max_output_size = max_tokens * top_k * world_size``; ``topk_ids`` are global over the group
+(expert ``e`` on group rank ``e // E_local``). A rank with no tokens of its own still calls it
+(a collective): with one zero row and ``x_active_mask = [False]``. Both paths multiply the ``[T, H]``
 result in place by ``routed_scaling_factor`` when it is not 1.
 """
 
@@ -283,6 +285,15 @@ class AscendBackend(ComputeBackend):
         assert isinstance(layer_args, MegaLayerArgs)
         a = layer_args
         t, k = topk_ids.shape
+        active = None
+        if t == 0:
+            # A rank with no tokens still joins the group's dispatch and combine: one zero row,
+            # marked inactive (as afd-plugin clamps an idle peer to one token).
+            t = 1
+            hidden_states = torch.zeros_like(ws.out[:1])
+            topk_ids = torch.zeros(1, k, dtype=torch.int32, device=hidden_states.device)
+            topk_weights = torch.zeros(1, k, dtype=torch.float32, device=hidden_states.device)
+            active = torch.zeros(1, dtype=torch.bool, device=hidden_states.device)
         ids = ws.topk_ids[:t]
         ids.copy_(topk_ids)
         probs = ws.topk_weights[:t]
@@ -303,7 +314,7 @@ class AscendBackend(ComputeBackend):
             max_output_size,
             out,
             ws.expert_token_nums,
-            x_active_mask=None,
+            x_active_mask=active,
             swiglu_limit=float(weights.swiglu_limit),
         )
         if weights.routed_scaling_factor != 1.0:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -78,6 +79,9 @@ class MegaCommParams:
         peer_ranks: the group ranks this rank exchanges tokens with (the peer layout); unique,
             each in ``[0, world_size)``, not containing ``rank``.
         comm_args: optional native communication context tensor owned by the connector.
+        group: the torch.distributed process group behind ``group_name``, for a backend that
+            runs the dispatch and combine through torch.distributed (the reference backend,
+            when ``world_size > 1``); the Ascend kernel uses ``group_name`` only.
     """
 
     group_name: str
@@ -85,6 +89,7 @@ class MegaCommParams:
     rank: int
     peer_ranks: tuple[int, ...]
     comm_args: torch.Tensor | None = None
+    group: Any = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.group_name, str) or not self.group_name:

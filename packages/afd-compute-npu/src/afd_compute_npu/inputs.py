@@ -18,11 +18,15 @@ def validate_inputs(
     hidden_states: object,
     topk_ids: object,
     topk_weights: object,
+    *,
+    num_experts: int | None = None,
 ) -> None:
     """Check one call's inputs against the weights and configuration.
 
     Accepted: ``layer_id`` one of the weights' ids; ``hidden_states`` ``[T, H]`` of the compute
-    dtype with ``0 <= T <= max_tokens``; ``topk_ids`` ``[T, top_k]`` int32/int64 in ``[0, E)``;
+    dtype with ``0 <= T <= max_tokens``; ``topk_ids`` ``[T, top_k]`` int32/int64 in ``[0, E)``
+    (``E``: ``num_experts``, default the weights' experts; Mega over ``W`` ranks takes global
+    ids, ``E = W x`` the weights' experts);
     ``topk_weights`` ``[T, top_k]`` floating and finite; all on the weights' device. Value checks
     (ids range, finiteness) run only when ``config.check_values``.
     """
@@ -64,9 +68,10 @@ def validate_inputs(
             raise ComputeInputError(f"{name}.device", tensor.device, str(device))
     if config.check_values and t:
         lo, hi = int(topk_ids.min()), int(topk_ids.max())
-        if lo < 0 or hi >= geo.num_experts:
+        experts = geo.num_experts if num_experts is None else num_experts
+        if lo < 0 or hi >= experts:
             raise ComputeInputError(
-                "topk_ids", f"values in [{lo}, {hi}]", f"values in [0, {geo.num_experts})"
+                "topk_ids", f"values in [{lo}, {hi}]", f"values in [0, {experts})"
             )
         if not bool(torch.isfinite(topk_weights).all()):
             raise ComputeInputError("topk_weights", "non-finite values", "finite values")

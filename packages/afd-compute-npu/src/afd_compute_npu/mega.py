@@ -87,11 +87,23 @@ class MegaCompute:
         topk_ids: torch.Tensor,
         topk_weights: torch.Tensor,
     ) -> torch.Tensor:
-        """Routed-expert output ``[T, H]`` of ``layer_id`` (a view of the workspace)."""
+        """Routed-expert output ``[T, H]`` of ``layer_id`` (a view of the workspace).
+
+        Bound to ``W > 1`` ranks, ``topk_ids`` are global (expert ``e`` lives on group rank
+        ``e // E_local``) and every rank of the group calls once per layer, also with ``T = 0``
+        (the dispatch and combine are a collective over the group)."""
         comm = self.comm
-        validate_inputs(self.weights, self.config, layer_id, hidden_states, topk_ids, topk_weights)
+        validate_inputs(
+            self.weights,
+            self.config,
+            layer_id,
+            hidden_states,
+            topk_ids,
+            topk_weights,
+            num_experts=self.weights.geometry.num_experts * comm.world_size,
+        )
         t = int(hidden_states.shape[0])
-        if t:
+        if t or comm.world_size > 1:
             self.backend.run_mega(
                 self._prepared[layer_id],
                 self.weights,

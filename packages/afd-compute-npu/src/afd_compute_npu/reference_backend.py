@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from afd_weights import LayerCodes, QuantizedExpertWeights, layer_codes
 
 from afd_compute_npu.backend import ComputeBackend, ComputeKind
 from afd_compute_npu.config import ComputeConfig, MegaCommParams
+from afd_compute_npu.errors import ComputeConfigError
 from afd_compute_npu.reference import (
     combine,
     dynamic_quant_int8,
@@ -25,9 +27,14 @@ class ReferenceBackend(ComputeBackend):
     """Runs every scheme for both Layered and Mega.
 
     ``prepare`` decodes each layer once into :class:`~afd_weights.LayerCodes` (int4 unpacked, scales
-    decoded to fp32); that cache belongs to the compute object, the contract is untouched. Mega's
-    communication parameters are validated and kept by :class:`MegaCompute`, but the reference runs
-    the local expert math only (it models one rank holding all of the contract's experts).
+    decoded to fp32); that cache belongs to the compute object, the contract is untouched. Mega
+    bound to one rank runs the local expert math. Bound to ``W > 1`` ranks it does what the fused
+    kernel's dispatch and combine do, through the bound torch.distributed group
+    (:attr:`MegaCommParams.group`): every rank's tokens reach the rank of each of their experts
+    (``e // E_local``) and come back summed. The reference gathers every rank's rows, computes
+    its own experts' share of all of them (the one-rank math with the other experts' slots at
+    weight 0) and sums the shares over the group (fp32), so a token whose experts all live on one
+    rank gets exactly the one-rank result.
     """
 
     name = "reference"
@@ -84,15 +91,65 @@ class ReferenceBackend(ComputeBackend):
         t = topk_ids.shape[0]
         probs = ws.topk_weights[:t]
         probs.copy_(topk_weights)
-        ws.out[:t].copy_(
-            reference_moe(
-                hidden_states,
-                topk_ids,
-                probs,
+
+        def moe(x: torch.Tensor, ids: torch.Tensor, p: torch.Tensor, scale: float) -> torch.Tensor:
+            return reference_moe(
+                x,
+                ids,
+                p,
                 layer_args,
                 weights.scheme.is_int4,
                 weights.swiglu_limit,
-                weights.routed_scaling_factor,
+                scale,
                 ws.out.dtype,
             )
+
+        if comm.world_size == 1:
+            ws.out[:t].copy_(moe(hidden_states, topk_ids, probs, weights.routed_scaling_factor))
+            return
+        group = comm.group
+        if group is None:
+            raise ComputeConfigError(
+                "group",
+                None,
+                f"the torch.distributed group behind {comm.group_name!r} (the reference runs "
+                f"Mega's dispatch and combine over its {comm.world_size} ranks through it)",
+            )
+        count = torch.tensor([t], dtype=torch.int64, device=hidden_states.device)
+        counts = _all_gather(group, comm.world_size, count)
+        sizes = [int(c) for c in counts.flatten().tolist()]
+        if not sum(sizes):  # every rank's call is empty: nothing to exchange
+            return
+        x, ids, p = (
+            _gather_rows(group, comm.world_size, rows, sizes)
+            for rows in (hidden_states, topk_ids.long(), probs)
         )
+        n_local = layer_args.w13_codes.shape[0]
+        mine = torch.div(ids, n_local, rounding_mode="floor") == comm.rank
+        share = moe(
+            x,
+            torch.where(mine, ids - comm.rank * n_local, 0),
+            torch.where(mine, p, torch.zeros_like(p)),
+            1.0,
+        ).float()
+        group.allreduce([share]).wait()  # sum over the group
+        start = sum(sizes[: comm.rank])
+        out = ws.out[:t]
+        out.copy_(share[start : start + t])
+        if weights.routed_scaling_factor != 1.0:  # after the sum, as the one-rank math scales
+            out.mul_(weights.routed_scaling_factor)
+
+
+def _all_gather(group: Any, world_size: int, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` of every group rank, stacked in rank order (equal shapes)."""
+    out = [torch.empty_like(tensor) for _ in range(world_size)]
+    group.allgather([out], [tensor]).wait()
+    return torch.stack(out)
+
+
+def _gather_rows(group: Any, world_size: int, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+    """Every group rank's ``rows`` (rank ``r`` has ``sizes[r]``), concatenated in rank order."""
+    padded = rows.new_zeros((max(max(sizes), 1), *rows.shape[1:]))
+    padded[: rows.shape[0]] = rows
+    gathered = _all_gather(group, world_size, padded)
+    return torch.cat([gathered[r, :n] for r, n in enumerate(sizes)])

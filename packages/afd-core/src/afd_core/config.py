@@ -3,7 +3,8 @@
 Invariants:
 * :class:`AFDConfig` is frozen and always valid: ``__post_init__`` checks every field (strict types,
   ranges, ``ffn_rank < num_ffn_ranks`` on the FFN role, the gate on Attention when
-  ``num_ffn_ranks > 1`` (expert parallelism), connector known, able to serve the topology and its
+  ``num_ffn_ranks > 1`` (expert parallelism), ``expert_dispatch`` fitting the FFN compute,
+  connector known, able to serve the topology and its
   ``connector_extra_config`` accepted by that connector) and raises :class:`AFDConfigError` naming
   the field, the value and what is allowed.
 * :meth:`AFDConfig.from_mapping` is the user-facing parser: unknown keys are rejected, afd-plugin
@@ -51,6 +52,7 @@ __all__ = [
     "CONFIG_ALIASES",
     "CONFIG_FIELDS",
     "CONNECTOR_NAME_ALIASES",
+    "EXPERT_DISPATCH_KINDS",
     "EXPERT_QUANT_SCHEMES",
     "FFN_COMPUTE_KINDS",
     "LOCAL_FIELDS",
@@ -85,6 +87,7 @@ CONFIG_FIELDS: tuple[str, ...] = (
     "startup_timeout_s",
     "ffn_loss_grace_s",
     "ffn_compute",
+    "expert_dispatch",
     "expert_quant",
     "expert_quant_group_size",
     "connector_extra_config",
@@ -95,6 +98,15 @@ FFN_COMPUTE_KINDS: tuple[str, ...] = ("native", "layered", "mega")
 """Values of ``ffn_compute`` (how the FFN role computes its experts). ``native`` runs the model's
 own vLLM ``FusedMoE``; ``layered`` / ``mega`` are afd-compute-npu's computes (the runtime says
 which of them it can serve)."""
+
+EXPERT_DISPATCH_KINDS: tuple[str, ...] = ("attention", "ffn")
+"""Values of ``expert_dispatch`` (who sends a token to the FFN ranks holding its experts when
+``num_ffn_ranks > 1``). ``attention``: each Attention peer sends a token to every FFN rank that
+holds one of its top-k experts and adds their partial outputs. ``ffn``: each Attention peer sends
+all of its tokens to one FFN rank (:meth:`afd_core.topology.AFDTopology.home_ffn_rank`), whose
+compute dispatches them among the FFN ranks and combines them itself (afd-compute-npu's Mega,
+``ffn_compute='mega'``: one fused collective over the FFN ranks' group), and gets each token's
+whole output back from it. Both roles must agree."""
 
 EXPERT_QUANT_SCHEMES: tuple[str, ...] = ("none", "w8a8", "w4a8")
 """Values of ``expert_quant`` (how the FFN role stores its routed experts): ``none`` keeps the
@@ -254,6 +266,8 @@ class AFDConfig:
     #: lost before they fail; 0 fails them at once.
     ffn_loss_grace_s: float = 60.0
     ffn_compute: str = "native"
+    #: Who dispatches a token to the FFN ranks of its experts (:data:`EXPERT_DISPATCH_KINDS`).
+    expert_dispatch: str = "attention"
     expert_quant: str = "none"
     expert_quant_group_size: int = 0
     connector_extra_config: Mapping[str, Any] = field(
@@ -382,6 +396,7 @@ class AFDConfig:
                 f"'native' with expert_quant='none' ({self.ffn_compute!r} computes quantized "
                 "experts: set expert_quant to 'w8a8' or 'w4a8')",
             )
+        self._check_expert_dispatch()
         self._check_int("expert_quant_group_size", self.expert_quant_group_size, 0, 1 << 20)
         if self.expert_quant_group_size and self.expert_quant != "w4a8":
             raise AFDConfigError(
@@ -396,6 +411,37 @@ class AFDConfig:
         check = _CONNECTOR_CHECK
         normalized = extra if check is None else check(connector, extra)
         object.__setattr__(self, "connector_extra_config", MappingProxyType(dict(normalized)))
+
+    def _check_expert_dispatch(self) -> None:
+        """``expert_dispatch`` against the FFN compute and the expert placement (``ffn_compute``
+        is an FFN-role field: the Attention role's own value is not checked against it)."""
+        value = self.expert_dispatch
+        if value not in EXPERT_DISPATCH_KINDS:
+            raise AFDConfigError("expert_dispatch", value, f"one of {list(EXPERT_DISPATCH_KINDS)}")
+        is_ffn = self.role is AFDRole.FFN
+        if value == "ffn":
+            if is_ffn and self.ffn_compute != "mega":
+                raise AFDConfigError(
+                    "expert_dispatch",
+                    value,
+                    f"'attention' with ffn_compute={self.ffn_compute!r} (only 'mega' dispatches "
+                    "tokens among the FFN ranks itself)",
+                )
+            if self.expert_replicas > 1:
+                raise AFDConfigError(
+                    "expert_dispatch",
+                    value,
+                    f"'attention' with expert_replicas={self.expert_replicas} (Mega's fused "
+                    "dispatch places each expert on exactly one FFN rank)",
+                )
+        elif is_ffn and self.ffn_compute == "mega" and self.num_ffn_ranks > 1:
+            raise AFDConfigError(
+                "expert_dispatch",
+                value,
+                f"'ffn' with ffn_compute='mega' and num_ffn_ranks={self.num_ffn_ranks} (Mega "
+                "dispatches the tokens among the FFN ranks itself: each Attention rank sends its "
+                "tokens to one FFN rank; set expert_dispatch='ffn' on every role)",
+            )
 
     @staticmethod
     def _check_int(name: str, value: Any, lo: int, hi: int) -> None:
@@ -415,6 +461,13 @@ class AFDConfig:
     def is_ffn(self) -> bool:
         """True for the FFN role."""
         return self.role is AFDRole.FFN
+
+    @property
+    def needs_ffn_group(self) -> bool:
+        """True on an FFN rank whose compute is a collective over the FFN ranks (Mega's fused
+        dispatch and combine): its connector opens a process group of the FFN ranks for it
+        (:meth:`afd_core.connector.AFDConnectorBase.ffn_process_group`)."""
+        return self.role is AFDRole.FFN and self.ffn_compute == "mega"
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any]) -> AFDConfig:
@@ -478,6 +531,10 @@ class AFDConfig:
                 kwargs[name] = _coerce_float(name, canonical[name])
         if "ffn_compute" in canonical:
             kwargs["ffn_compute"] = _coerce_str("ffn_compute", canonical["ffn_compute"]).lower()
+        if "expert_dispatch" in canonical:
+            kwargs["expert_dispatch"] = _coerce_str(
+                "expert_dispatch", canonical["expert_dispatch"]
+            ).lower()
         if "expert_quant" in canonical:
             kwargs["expert_quant"] = _coerce_str("expert_quant", canonical["expert_quant"]).lower()
         if "connector_extra_config" in canonical:
@@ -503,6 +560,7 @@ class AFDConfig:
             "startup_timeout_s": self.startup_timeout_s,
             "ffn_loss_grace_s": self.ffn_loss_grace_s,
             "ffn_compute": self.ffn_compute,
+            "expert_dispatch": self.expert_dispatch,
             "expert_quant": self.expert_quant,
             "expert_quant_group_size": self.expert_quant_group_size,
             "connector_extra_config": dict(self.connector_extra_config),

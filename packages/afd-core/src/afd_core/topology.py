@@ -22,7 +22,9 @@ the FFN rank serves all ``P`` Attention peers and computes each MoE layer once o
 tokens. With ``F > 1`` the FFN ranks are **expert parallel**: rank ``f`` holds only its share of
 the routed experts (:meth:`AFDTopology.expert_map`), and each Attention peer dispatches a token
 to the FFN ranks that hold its top-k experts. ``A < F`` is allowed (experts can outgrow
-attention).
+attention). With ``expert_dispatch='ffn'`` (Mega: the FFN compute dispatches among the FFN ranks
+itself) a peer sends all of its tokens to one FFN rank, :meth:`AFDTopology.home_ffn_rank`, and
+the others an empty transfer: every (layer, stage) still reaches every FFN rank.
 
 Invariants (checked in the tests):
 
@@ -229,6 +231,15 @@ class AFDTopology:
         """FFN role ranks ``attention_rank`` sends to: all of the round's, ascending."""
         self.check_role_rank(AFDRole.ATTENTION, attention_rank)
         return self.members
+
+    def home_ffn_rank(self, attention_rank: int) -> int:
+        """The FFN rank (of the round's, by index) that gets all of ``attention_rank``'s tokens
+        when the FFN compute dispatches them itself (``expert_dispatch='ffn'``): consecutive
+        Attention peers share one, ``attention_rank * F // P`` (``P`` peers, ``F`` the round's
+        FFN ranks), so with ``P >= F`` every FFN rank serves ``P / F`` of them, and with
+        ``P < F`` some FFN ranks get no tokens of their own (they still join each dispatch)."""
+        self.check_role_rank(AFDRole.ATTENTION, attention_rank)
+        return attention_rank * len(self.members) // self.num_attention_peers
 
     def peers_of(self, role: AFDRole | str, role_rank: int) -> tuple[int, ...]:
         """World ranks this rank exchanges data with (every rank of the other role)."""

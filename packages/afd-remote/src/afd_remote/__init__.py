@@ -19,6 +19,7 @@ from afd_remote.expert_dispatch import (
     ExpertDispatchPlan,
     combine_expert_outputs,
     plan_expert_dispatch,
+    plan_home_dispatch,
     split_for_dispatch,
 )
 from afd_remote.fused_moe import AFDAttentionFusedMoE
@@ -47,6 +48,7 @@ __all__ = [
     "__version__",
     "combine_expert_outputs",
     "plan_expert_dispatch",
+    "plan_home_dispatch",
     "plan_routed_dispatch",
     "restore_dispatched_output",
     "slice_for_dispatch",

@@ -3,7 +3,9 @@
 With the routed experts split over ``F`` FFN ranks (afd-core's :class:`~afd_core.expert_map.
 ExpertMap`), a token goes to every FFN rank that holds at least one of its top-k experts, with its
 hidden state and its (global) top-k ids and weights; each rank answers the sum over *its* experts
-of ``weight * expert(x)``. :func:`plan_expert_dispatch` decides the rows, :func:`split_for_dispatch`
+of ``weight * expert(x)``. :func:`plan_expert_dispatch` decides the rows (or
+:func:`plan_home_dispatch` when the FFN compute dispatches among the FFN ranks itself,
+``expert_dispatch='ffn'``: every row to one FFN rank, whose reply is each token's whole output), :func:`split_for_dispatch`
 cuts a token-aligned tensor into the per-rank pieces, :func:`combine_expert_outputs` adds the
 partial outputs back.
 
@@ -32,6 +34,7 @@ __all__ = [
     "ExpertDispatchPlan",
     "combine_expert_outputs",
     "plan_expert_dispatch",
+    "plan_home_dispatch",
     "split_for_dispatch",
 ]
 
@@ -81,6 +84,23 @@ def plan_expert_dispatch(topk_ids: torch.Tensor, expert_map: ExpertMap) -> Exper
         torch.nonzero((owners == f).any(dim=1)).flatten() for f in range(expert_map.num_ffn_ranks)
     )
     return ExpertDispatchPlan(n, rows)
+
+
+def plan_home_dispatch(num_tokens: int, home: int, num_ffn_ranks: int) -> ExpertDispatchPlan:
+    """Every row to FFN rank ``home``, none to the others: the plan when the FFN compute
+    dispatches the tokens among the FFN ranks itself (``expert_dispatch='ffn'``, Mega). Combined
+    with :func:`combine_expert_outputs` the output is ``home``'s rows as replied.
+
+    Raises:
+        AFDPayloadError: ``home`` is not in ``0..num_ffn_ranks-1`` or ``num_tokens < 0``.
+    """
+    if not 0 <= home < num_ffn_ranks:
+        raise AFDPayloadError("home", home, f"an FFN rank in 0..{num_ffn_ranks - 1}")
+    if num_tokens < 0:
+        raise AFDPayloadError("num_tokens", num_tokens, "an int >= 0")
+    empty = torch.empty(0, dtype=torch.int64)
+    rows = tuple(torch.arange(num_tokens) if f == home else empty for f in range(num_ffn_ranks))
+    return ExpertDispatchPlan(num_tokens, rows)
 
 
 def split_for_dispatch(

@@ -15,7 +15,9 @@ any                ``input_ids``                    + the given ``input_ids`` (t
 Attention, F > 1   ``topk_ids`` + ``topk_weights``  per FFN rank: the tokens routed to its
                                                     experts with their global top-k ids and
                                                     weights from the model's router
-                                                    (:meth:`AFDAttentionFusedMoE.dispatch_routed`)
+                                                    (:meth:`AFDAttentionFusedMoE.dispatch_routed`);
+                                                    with ``expert_dispatch='ffn'`` every token
+                                                    to one FFN rank (Mega dispatches them)
 =================  ===============================  ==========================================
 
 Anything the layer is given but the connector cannot carry (router logits with nowhere to go,
@@ -33,7 +35,11 @@ from afd_core.expert_map import ExpertMap
 from afd_core.metadata import AFDPayload, AFDTransferMetadata
 
 from afd_remote.errors import AFDRemoteError, UnsupportedPayloadFieldError
-from afd_remote.expert_dispatch import plan_expert_dispatch, split_for_dispatch
+from afd_remote.expert_dispatch import (
+    plan_expert_dispatch,
+    plan_home_dispatch,
+    split_for_dispatch,
+)
 from afd_remote.payload import check_fields, check_rows, localise
 from afd_remote.proxy import RemoteFFNProxy, RemoteFFNTransfer
 from afd_remote.routed_padding import RoutedTPPadding
@@ -153,7 +159,11 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
 
         The placement is ``connector.topology.expert_map(num_experts)``, the one the FFN ranks
         load their experts by, routed over the round's FFN ranks; with replicated experts
-        (``expert_replicas > 1``) each rank's top-k ids mark the slots routed elsewhere ``-1``. With routed TP padding this TP rank dispatches only its slice of
+        (``expert_replicas > 1``) each rank's top-k ids mark the slots routed elsewhere ``-1``.
+        With ``expert_dispatch='ffn'`` (the FFN compute dispatches among the FFN ranks itself:
+        Mega) every token goes to this peer's home FFN rank
+        (:meth:`~afd_core.topology.AFDTopology.home_ffn_rank`) and the others get an empty
+        transfer. With routed TP padding this TP rank dispatches only its slice of
         the replicated tokens; :meth:`receive` combines the slice's partial outputs, then
         all-gathers the slices in TP rank order.
 
@@ -181,7 +191,13 @@ class AFDAttentionFusedMoE(RemoteFFNProxy):
         weights = localise(topk_weights.to(spec.topk_weights_dtype), layout, "topk_weights")
         ids = localise(topk_ids.to(spec.topk_ids_dtype), layout, "topk_ids")
         emap = self._expert_map(connector, num_experts)
-        plan = plan_expert_dispatch(ids, emap)
+        if connector.config.expert_dispatch == "ffn":
+            # The FFN compute dispatches among the FFN ranks itself (Mega): one FFN rank gets
+            # every row, with its global top-k, and replies with each row's whole output.
+            home = connector.topology.home_ffn_rank(connector.role_rank)
+            plan = plan_home_dispatch(int(ids.shape[0]), home, emap.num_ffn_ranks)
+        else:
+            plan = plan_expert_dispatch(ids, emap)
         parts = {
             "hidden_states": split_for_dispatch(hidden, plan),
             "topk_weights": split_for_dispatch(weights, plan, field="topk_weights"),

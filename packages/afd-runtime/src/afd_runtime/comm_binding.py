@@ -1,16 +1,17 @@
 """Binding a compute to the connector's communicator (Mega's ``group_name``).
 
 A compute that moves rows itself (afd-compute-npu's Mega: ``dispatch_ffn_combine``) is handed the
-name of the communicator behind the connector's data process group, as the platform's
-collective library knows it:
+name of the communicator behind the connector's group of the FFN ranks
+(``ffn_process_group()``: the rows Mega dispatches and combines move among the FFN ranks), as
+the platform's collective library knows it:
 
 * HCCL (torch-npu): ``get_hccl_comm_name(rank)`` of the group's HCCL backend: the P2P connector
-  builds its data group as that backend (``ProcessGroupHCCL``) and it is asked directly; a
+  builds its groups as that backend (``ProcessGroupHCCL``) and it is asked directly; a
   registered torch.distributed group is asked through ``_get_backend(npu)``, the way
   vllm-ascend derives it for its MC2 and MegaMoe groups;
 * a group registered with torch.distributed on any other backend: torch.distributed's name;
 * a standalone gloo or NCCL group (the P2P connector's on CPU and CUDA) has no named
-  communicator: the connector's own label of the group stands in (``group_info().name``).
+  communicator: the connector's own label of the group stands in (``ffn_group_info().name``).
 
 The bind happens between the connector's ``open_groups()`` and ``confirm_ready()`` (the order the
 upstream refactor gives it: the groups exist, the peers are not yet told this rank is ready); a
@@ -56,7 +57,7 @@ def communicator_name(group: Any, rank: int, label: str) -> str:
     backend_name = getattr(group, "name", None)
     if not callable(backend_name):
         raise AFDCommBindError(
-            "data_process_group", type(group).__name__, "a torch.distributed group or backend"
+            "ffn_process_group", type(group).__name__, "a torch.distributed group or backend"
         )
     backend = str(backend_name()).lower()
     name: Any

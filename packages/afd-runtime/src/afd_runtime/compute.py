@@ -91,10 +91,16 @@ class SteppedFFNCompute(FFNCompute, Protocol):
 class BindingFFNCompute(FFNCompute, Protocol):
     """An :class:`FFNCompute` that binds to the connector's communicator once per connection
     when ``needs_bind`` (afd-compute-npu's Mega): the service calls :meth:`bind` between the
-    connector's ``open_groups()`` and ``confirm_ready()``."""
+    connector's ``open_groups()`` and ``confirm_ready()``. Once bound, ``collective`` says whether
+    each call is a collective over the FFN ranks (Mega bound to several of them dispatches and
+    combines among them itself): the service then calls it for every ``(layer, stage)``, with
+    0 rows too, so every FFN rank joins each one."""
 
     @property
     def needs_bind(self) -> bool: ...
+
+    @property
+    def collective(self) -> bool: ...
 
     def bind(self, connector: AFDConnectorBase) -> None: ...
 

@@ -414,13 +414,19 @@ class FFNService:
     def _serve_layers(self, connector: AFDConnectorBase, msg: AFDControlMessage) -> None:
         stats = self.stats
         layers = self.draft_layer_indices if msg.is_draft else self.target_layer_indices
+        # A collective compute (Mega over several FFN ranks) is called for every (layer,
+        # stage), with 0 rows too: every FFN rank joins each dispatch and combine.
+        compute = self.compute
+        collective = isinstance(compute, BindingFFNCompute) and compute.collective
         for layer in layers:
             for stage in range(msg.num_stages):
                 meta, payloads = connector.recv_dispatch(layer, stage)
                 if self._delay is not None:
                     self._delay()
                 total = sum(meta.num_tokens)
-                if not total:  # nothing to compute; the reply moves no bytes
+                if not total:  # nothing of its own to compute; the reply moves no bytes
+                    if collective:
+                        self._compute(connector, layer, batch_payloads(payloads))
                     connector.send_combine([p.hidden_states for p in payloads], meta)
                     continue
                 out = self._compute(connector, layer, batch_payloads(payloads))

@@ -5,11 +5,15 @@ The adapter's FFN model quantized its experts at load (no float copy stays resid
 (:class:`AFDQuantizedFFNModel`); this module only runs the compute:
 
 * **Layered** is built once; every call runs ``layered(layer, hidden, local_ids, weights)``.
-* **Mega** is bound to the communicator behind the connector's data process group:
-  :meth:`QuantizedFFNCompute.bind` runs between the connector's ``open_groups()`` and
-  ``confirm_ready()`` (the FFN service calls it), with the communicator's name
-  (:func:`afd_runtime.comm_binding.communicator_name`: HCCL's through torch-npu, else the
-  torch.distributed group's) and the group's size, rank and peers (``group_info()``). Each
+* **Mega** is bound to the communicator behind the connector's group of the FFN ranks (the
+  rows Mega's fused kernel dispatches and combines move among the FFN ranks, never to the
+  Attention ranks): :meth:`QuantizedFFNCompute.bind` runs between the connector's
+  ``open_groups()`` and ``confirm_ready()`` (the FFN service calls it), with the communicator's
+  name (:func:`afd_runtime.comm_binding.communicator_name`: HCCL's through torch-npu, else the
+  torch.distributed group's) and the group's size, rank and peers (``ffn_group_info()``). Bound
+  to ``F > 1`` FFN ranks (``expert_dispatch='ffn'``: each Attention rank sends all of its tokens
+  to one FFN rank) it is *collective*: it takes the tokens' global top-k as received, and the
+  FFN service calls it for every ``(layer, stage)``, with 0 rows too. Each
   connection (a new Attention deployment) gets a new bound Mega (a Mega binds exactly once). A
   bind failure fails this rank's start with :class:`~afd_runtime.comm_binding.AFDCommBindError`
   and, published in stage ``bind``, every Attention rank's start with this rank's message; no
@@ -123,10 +127,17 @@ class QuantizedFFNCompute:
         """True for Mega (bound per connection through :meth:`bind`)."""
         return self.name == "mega"
 
+    @property
+    def collective(self) -> bool:
+        """True while bound to a group of several FFN ranks (every call joins their dispatch
+        and combine)."""
+        return isinstance(self._compute, MegaCompute) and self._compute.comm.world_size > 1
+
     def role_agreement(self) -> dict[str, Any]:
-        """The quantization geometry every FFN rank of a deployment must share."""
+        """The compute and quantization geometry every FFN rank of a deployment must share."""
         g = self.weights.geometry
         return {
+            "ffn_compute": self.name,
             "expert_quant": self.weights.scheme.value,
             "group_size": self.weights.group_size,
             "hidden_size": g.hidden_size,
@@ -136,16 +147,19 @@ class QuantizedFFNCompute:
         }
 
     def bind(self, connector: AFDConnectorBase) -> None:
-        """Bind a new Mega to the communicator behind ``connector``'s data process group (after
-        ``open_groups()``, before ``confirm_ready()``); nothing for Layered.
+        """Bind a new Mega to the communicator behind ``connector``'s group of the FFN ranks
+        (after ``open_groups()``, before ``confirm_ready()``); nothing for Layered.
 
         Raises:
-            AFDCommBindError: the group gives no communicator name, or Mega refused the bind.
+            AFDCommBindError: the group gives no communicator name, this rank's experts are not
+                the contiguous share Mega's dispatch places on it, or Mega refused the bind.
         """
         if not self.needs_bind:
             return
-        info = connector.group_info()
-        name = communicator_name(connector.data_process_group(), info.rank, info.name)
+        info = connector.ffn_group_info()
+        group = connector.ffn_process_group()
+        name = communicator_name(group, info.rank, info.name)
+        self._check_placement(info.world_size, info.rank)
         try:
             raise_if_injected("mega_bind", f"Mega bind to communicator {name!r}")
             mega = MegaCompute(self.weights, self.config, self.backend)
@@ -155,6 +169,7 @@ class QuantizedFFNCompute:
                     world_size=info.world_size,
                     rank=info.rank,
                     peer_ranks=info.peer_ranks,
+                    group=group,
                 )
             )
         except Exception as err:
@@ -168,6 +183,23 @@ class QuantizedFFNCompute:
         self.binds += 1
         self.bound_group_name = name
         logger.info("AFD FFN rank %d: Mega bound to %s (group %s)", self.ffn_rank, name, info.name)
+
+    def _check_placement(self, world_size: int, rank: int) -> None:
+        """Mega's fused dispatch sends expert ``e`` to group rank ``e // E_local``: over several
+        ranks this rank must hold exactly the experts ``[rank * E_local, (rank + 1) * E_local)``
+        (the routed experts split evenly; afd-core's contiguous placement)."""
+        if world_size == 1:
+            return
+        n = self.weights.geometry.num_experts
+        held = tuple(getattr(self._model, "afd_local_experts", None) or ())
+        if held != tuple(range(rank * n, (rank + 1) * n)):
+            raise AFDCommBindError(
+                "num_ffn_ranks",
+                world_size,
+                "a divisor of the routed experts (Mega's fused dispatch places expert e on FFN "
+                f"rank e // experts-per-rank; FFN rank {rank} holds {len(held)} experts "
+                f"{held[:1]}..{held[-1:]}, {n} quantized)",
+            )
 
     def report(self) -> dict[int, str]:
         """Publish what an FFN rank reports once (the quantized expert bytes, the same experts'
@@ -232,15 +264,26 @@ class QuantizedFFNCompute:
                 "no input_ids; token-id routed models (DeepSeek-V4 hash layers) need "
                 "ffn_compute='native'",
             )
-        weights, ids = self._model.afd_route(layer_idx, hidden_states, router_logits, topk)
+        collective = self.collective
+        if collective:
+            # Mega dispatches among the FFN ranks itself: the tokens' global top-k as routed on
+            # the Attention role (the gate runs there with several FFN ranks).
+            if topk is None:
+                raise AFDPayloadError(
+                    "topk", None, "the tokens' global top-k (weights, ids) for a collective Mega"
+                )
+            weights, ids = topk[0].float(), topk[1].to(torch.int32)
+        else:
+            weights, ids = self._model.afd_route(layer_idx, hidden_states, router_logits, topk)
         compute = self._compute
         if compute is None:  # Mega before any bind: the compute's own error, before any write
             compute = MegaCompute(self.weights, self.config, self.backend)
         with torch.inference_mode():
             out = compute(layer_idx, hidden_states, ids, weights)
-            reference = getattr(self._model, "afd_reference_output", None)
+            # The float reference holds this rank's experts only: not a collective's output.
+            reference = None if collective else getattr(self._model, "afd_reference_output", None)
             ref = None if reference is None else reference(layer_idx, hidden_states, weights, ids)
-        if ref is not None:
+        if ref is not None and out.numel():
             self._track_error(layer_idx, out, ref)
         # The workspace view is overwritten by the next call: the reply must own its rows.
         return out.clone()

@@ -250,6 +250,25 @@ class AFDConnectorBase(ABC):
         """
         raise AFDConnectorError(f"connector {self.name!r} moves data on no process group")
 
+    def ffn_group_info(self) -> AFDGroupInfo:
+        """FFN side: the group of the round's FFN ranks (ranks ``0..F-1`` in FFN-rank order),
+        opened when ``config.needs_ffn_group`` (a compute that is a collective over the FFN
+        ranks: Mega's fused dispatch and combine).
+
+        Raises:
+            AFDConnectorError: the connector has no such group (the default).
+        """
+        raise AFDConnectorError(f"connector {self.name!r} opens no group of the FFN ranks")
+
+    def ffn_process_group(self) -> Any:
+        """FFN side: the torch.distributed process group of :meth:`ffn_group_info` (the one a
+        compute that dispatches among the FFN ranks binds its communicator to).
+
+        Raises:
+            AFDConnectorError: the connector has no such group (the default) or is not started.
+        """
+        raise AFDConnectorError(f"connector {self.name!r} opens no group of the FFN ranks")
+
     @property
     def supported_payload_fields(self) -> frozenset[str]:
         """Payload fields this connector carries (exactly those of its payload spec)."""

@@ -31,7 +31,7 @@ from typing import Any, ClassVar, NoReturn
 import torch
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector.base import AFDConnectorBase
+from afd_core.connector.base import AFDConnectorBase, AFDGroupInfo
 from afd_core.errors import (
     AFDConfigError,
     AFDConnectorError,
@@ -140,6 +140,14 @@ class AFDSessionConnector(AFDConnectorBase):
             protocol_version=self.protocol_version,
             num_draft_layers=self.num_draft_layers,
         )
+
+    def _ffn_group(self, name: str) -> AFDGroupInfo:
+        """This FFN rank's place in the group of the round's FFN ranks (FFN-rank order), the
+        group a transport opens when ``config.needs_ffn_group``; ``name``: its label."""
+        size = len(self.topology.members)
+        rank = self.world_rank - self.topology.num_attention_peers
+        peers = tuple(r for r in range(size) if r != rank)
+        return AFDGroupInfo(name=name, world_size=size, rank=rank, peer_ranks=peers)
 
     def _who(self) -> str:
         return f"{self.role} {self.role_rank}"

@@ -98,6 +98,12 @@ class DemoConfig:
         return self.expert_quant != "none"
 
     @property
+    def expert_dispatch(self) -> str:
+        """``ffn`` for Mega over several FFN ranks (its fused kernel dispatches the tokens among
+        them: each Attention rank sends its tokens to one FFN rank), else ``attention``."""
+        return "ffn" if self.ffn_compute == "mega" and self.num_ffn_ranks > 1 else "attention"
+
+    @property
     def ffn_extra(self) -> dict[str, Any]:
         """The FFN-local AFD fields of the FFN ranks' ``additional_config["afd"]``."""
         return {
@@ -153,7 +159,16 @@ class DemoConfig:
             # off the default, which is valid, because afd_core.config imports torch.
             from afd_core.config import AFDConfig
 
-            AFDConfig.from_mapping({"role": "ffn", **self.ffn_extra})
+            AFDConfig.from_mapping(
+                {
+                    "role": "ffn",
+                    **self.ffn_extra,
+                    "num_ffn_ranks": self.num_ffn_ranks,
+                    "compute_gate_on_attention": self.gate_on_attention,
+                    "expert_replicas": self.expert_replicas,
+                    "expert_dispatch": self.expert_dispatch,
+                }
+            )
 
 
 @dataclass(frozen=True)
@@ -516,6 +531,13 @@ def run_demo(cfg: DemoConfig, progress: Progress = print) -> DemoReport:
         afd_extra["num_stages"] = cfg.num_stages
     if cfg.expert_replicas > 1:
         afd_extra["expert_replicas"] = cfg.expert_replicas
+    if cfg.expert_dispatch == "ffn":
+        afd_extra["expert_dispatch"] = "ffn"
+        progress(
+            f"Mega over {cfg.num_ffn_ranks} FFN ranks (expert_dispatch ffn): each Attention rank "
+            "sends its tokens to one FFN rank, and Mega dispatches and combines them among the "
+            "FFN ranks itself"
+        )
     if options.max_num_seqs != cfg.options.max_num_seqs:
         progress(
             "note: vLLM's CPU MLA path is not batch invariant; serving one sequence at a time "

@@ -12,7 +12,8 @@ port): its store and one FIFO queue per ``(round, sender, receiver, kind, stage)
 transfer is one request ``(layer, stage, tokens, tensors)`` from an Attention rank to an FFN rank
 (sent for every stage, also with 0 tokens) and, when it had tokens, one reply. Sent
 tensors are copied, so a sender may reuse its buffers. A wait polls its peer's published failure
-and goodbye between queue reads, and is bounded by ``config.timeout_s``.
+and goodbye between queue reads, and is bounded by ``config.timeout_s``. The one process group it opens is the FFN ranks' own (gloo
+between their threads) when their compute is a collective over them (``config.needs_ffn_group``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ import torch.distributed as dist
 
 from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector.base import (
+    AFDGroupInfo,
     AFDTransferHandle,
     check_transfer_counts,
     merge_control_messages,
@@ -96,6 +99,7 @@ class InProcessConnector(AFDSessionConnector):
     _round = 0
     _announced: tuple[int, ...] | None = None
     _control: AFDControlMessage | None = None
+    _ffn_pg: Any = None
 
     # -- transport lifecycle ---------------------------------------------------------------
 
@@ -107,10 +111,35 @@ class InProcessConnector(AFDSessionConnector):
         self._hub_ = _hub(self.config)
         self._round = session.generation
         self._announced = self._control = None
+        if self.config.needs_ffn_group:
+            # A collective compute over the FFN ranks (Mega) needs a real group: gloo between
+            # the FFN ranks' threads, on this world's store.
+            info = self.ffn_group_info()
+            self._ffn_pg = dist.ProcessGroupGloo(
+                dist.PrefixStore(f"pg/ffn/{self._round}", session.store),
+                info.rank,
+                info.world_size,
+                timedelta(seconds=self.config.timeout_s),
+            )
 
     def _close_transport(self) -> None:
         self._hub_ = None
         self._announced = self._control = None
+        self._ffn_pg = None
+
+    def ffn_group_info(self) -> AFDGroupInfo:
+        """FFN side, with ``config.needs_ffn_group``: the FFN ranks' gloo group (see
+        :meth:`~afd_core.connector.base.AFDConnectorBase.ffn_group_info`)."""
+        if not (self.config.needs_ffn_group and self._hub_ is not None):
+            raise AFDNotInitializedError("AFD in-process connector has no FFN group")
+        name = f"afd-inprocess/{self.config.host}:{self.config.port}/g{self._round}/ffn"
+        return self._ffn_group(name)
+
+    def ffn_process_group(self) -> Any:
+        """The gloo group of :meth:`ffn_group_info`."""
+        if self._ffn_pg is None:
+            raise AFDNotInitializedError("AFD in-process connector has no FFN group")
+        return self._ffn_pg
 
     # -- moving objects --------------------------------------------------------------------
 

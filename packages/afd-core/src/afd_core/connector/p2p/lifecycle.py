@@ -4,7 +4,8 @@
 session (rendezvous, rounds, handshake, liveness, failure publication, goodbye) is the shared one
 of :class:`~afd_core.connector.session_base.AFDSessionConnector`; this module adds the P2P
 transport: the rendezvous store (a TCPStore at ``host:port`` behind the access gate), the two
-process groups on the session's store, their teardown, and what both sides use (the wait that
+process groups on the session's store (and, on FFN ranks whose compute is a collective over them,
+a third of the FFN ranks only), their teardown, and what both sides use (the wait that
 turns a transport error into :meth:`_fail`, the metadata checks, the stage tags, the
 receive-ahead window). The Attention side (:mod:`afd_core.connector.p2p.attention`) and the FFN
 side (:mod:`afd_core.connector.p2p.ffn`) build on it.
@@ -155,6 +156,7 @@ class _P2PLifecycle(AFDSessionConnector):
         self._timeout = timedelta(seconds=config.timeout_s)
         self._ctl_pg: Any = None
         self._data_pg: Any = None
+        self._ffn_pg: Any = None  # FFN side, config.needs_ffn_group: the FFN ranks' group
         self._announced: tuple[int, ...] | None = None
         self._control: AFDControlMessage | None = None
         self._step_last = self.step_last_layer(False)  # the current step's last layer index
@@ -200,6 +202,23 @@ class _P2PLifecycle(AFDSessionConnector):
         if self._data_pg is None:
             raise AFDNotInitializedError("AFD P2P connector has no data group (data_process_group)")
         return self._data_pg
+
+    def ffn_group_info(self) -> AFDGroupInfo:
+        """FFN side, with ``config.needs_ffn_group``: the group of the round's FFN ranks (valid
+        from ``open_groups`` on). Name ``afd-p2p/<host>:<port>/g<generation>/ffn``; rank: this
+        FFN rank's index in the round."""
+        if self._ffn_pg is None:
+            raise AFDNotInitializedError("AFD P2P connector has no FFN group (ffn_group_info)")
+        return self._ffn_group(
+            f"afd-p2p/{self.config.host}:{self.config.port}/g{self._generation}/ffn"
+        )
+
+    def ffn_process_group(self) -> Any:
+        """The torch.distributed group of :meth:`ffn_group_info` (same backend as the data
+        group)."""
+        if self._ffn_pg is None:
+            raise AFDNotInitializedError("AFD P2P connector has no FFN group (ffn_process_group)")
+        return self._ffn_pg
 
     # -- transport lifecycle (the session runs the rest) ----------------------------------
 
@@ -253,6 +272,17 @@ class _P2PLifecycle(AFDSessionConnector):
             self._timeout,
             bind_address=bind_address,
         )
+        if self.config.needs_ffn_group:
+            # Only the FFN ranks join it (their agreement on the compute was handshaken).
+            shape = self._ffn_group("")
+            self._ffn_pg = make_process_group(
+                self.backend,
+                dist.PrefixStore("pg/ffn", ns),
+                shape.rank,
+                shape.world_size,
+                self._timeout,
+                bind_address=bind_address,
+            )
 
     def _close_transport(self) -> None:
         for handle in list(self._handles):
@@ -274,10 +304,10 @@ class _P2PLifecycle(AFDSessionConnector):
         self._control_send = None
         self._control_posted = None
         self._headers_ahead = {}
-        for name in ("_data_pg", "_ctl_pg"):
+        for name in ("_ffn_pg", "_data_pg", "_ctl_pg"):
             pg = getattr(self, name)
             setattr(self, name, None)
-            if pg is not None and self.backend != "gloo" and name == "_data_pg":
+            if pg is not None and self.backend != "gloo" and name != "_ctl_pg":
                 shutdown = getattr(pg, "shutdown", None) or getattr(pg, "abort", None)
                 if shutdown is not None:
                     with contextlib.suppress(Exception):
