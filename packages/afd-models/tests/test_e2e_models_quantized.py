@@ -14,9 +14,11 @@ connector's group of the FFN ranks. Exact parity with plain fp32 vLLM is not exp
 DeepSeek-V2 also serves Mega over two FFN ranks (``expert_dispatch: ffn``): the Attention rank
 sends every token once, to FFN rank 0, and the two Megas dispatch and combine among themselves
 (the reference's exchange over the FFN ranks' gloo group). Its tokens must equal the one-FFN-rank
-Mega's (fp32: each rank's share is its slots' terms, their sum the one-rank sum), and FFN rank 1
-must have received no tokens from the Attention role (its experts' share went through the FFN
-ranks' group; afd-compute-npu's tests show the output differs without it).
+Mega's (fp32: each rank's share is its slots' terms, their sum the one-rank sum), FFN rank 0's
+error against the float reference (computed through the same exchange) must be within tolerance
+and quantized, and FFN rank 1 must have received no tokens from the Attention role (its experts'
+share went through the FFN ranks' group; afd-compute-npu's tests show the output differs without
+it).
 
 And: a Mega bind failure (injected with ``AFD_INJECT_FAULT=mega_bind``) makes the Attention role
 exit non-zero at startup with the FFN's message (published in stage ``bind``), within its
@@ -151,6 +153,7 @@ def _mega_over_two_ffn_ranks(model: Path, log_dir: Path, one_rank: list[list[int
         gate_on_attention=True,
         afd_extra={"expert_dispatch": "ffn"},
         ffn_extra={"ffn_compute": "mega", **quant},
+        ffn_env={"AFD_REPORT_QUANT_ERROR": "1"},
         prefix=f"quant-{MEGA_OVER_TWO}-mega-1a2f",
         progress=print,
     )
@@ -162,11 +165,16 @@ def _mega_over_two_ffn_ranks(model: Path, log_dir: Path, one_rank: list[list[int
         batch = complete_many(
             attention.base_url, DEMO_PROMPTS[:3], max_tokens=MAX_TOKENS, concurrency=1
         )
-        stats = [parse_ffn_stats(f.metrics_text())[rank] for rank, f in enumerate(ffns)]
+        metrics = [f.metrics_text() for f in ffns]
         logs = [f.log_text() for f in ffns]
     finally:
         print(stop_all(servers))
+    stats = [parse_ffn_stats(m)[rank] for rank, m in enumerate(metrics)]
     assert [c.token_ids for c in batch.completions] == one_rank
+    # Its float reference goes through the same exchange: the whole output's error, quantized.
+    _layer, calls, max_rel = parse_quant_error(metrics[0])[0]
+    assert calls >= 1
+    assert QUANTIZED_ERROR_FLOOR < max_rel <= QUANT_ERROR_TOLERANCE[quant["expert_quant"]], max_rel
     # Every token travelled once, to FFN rank 0; rank 1's share came through the FFN group.
     assert stats[0].tokens > 0 and stats[0].bytes > 0
     assert stats[1].tokens == 0 and stats[1].bytes == 0, stats[1]

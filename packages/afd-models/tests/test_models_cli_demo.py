@@ -684,6 +684,23 @@ def test_render_report_names_unmeasured_and_over_tolerance_ranks() -> None:
     )
 
 
+def test_a_rank_without_tokens_of_its_own_is_not_required_to_measure() -> None:
+    """Mega over two FFN ranks: every token goes to FFN rank 0; rank 1 only adds its experts'
+    share through the group and has no rows to measure."""
+    both = _quant_summary((2.8e-2, None))
+    assert both.unmeasured == (1,) and not both.ok  # a rank that computed must measure
+    idle = dataclasses.replace(both.ranks[1], computed=False)
+    quant = dataclasses.replace(both, ranks=(both.ranks[0], idle))
+    assert quant.unmeasured == () and quant.ok
+    report = dataclasses.replace(_report((3, 4)), quant=quant)
+    lines = render_report(report).splitlines()
+    row = next(ln for ln in lines if ln.startswith("| 1        | afd-ffn1"))
+    assert row.strip("|").split("|")[-1].strip() == "no tokens of its own"
+    assert "<= 5.0e-02 on every FFN rank with tokens of its own)" in lines[-1]
+    none = dataclasses.replace(quant, ranks=(dataclasses.replace(both.ranks[0], computed=False),))
+    assert none.unmeasured == (0,) and not none.ok  # nothing measured at all
+
+
 def test_quant_summary_without_a_quant_line_renders_na() -> None:
     quant = dataclasses.replace(
         _quant_summary((1e-2,)), ranks=(run.QuantRankStats(0, "afd-ffn", None, (0, 1, 1e-2)),)

@@ -39,10 +39,25 @@ def _sources() -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     }
 
 
+def _float_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w: Any, ids: Any) -> Any:
+    """fp32 ``sum_k w_k * (silu(x W1^T) * (x W3^T)) W2^T`` over local ids (afd-models' float
+    reference)."""
+    out = torch.zeros(x.shape[0], H)
+    for k in range(ids.shape[1]):
+        for e in torch.unique(ids[:, k]).tolist():
+            rows = ids[:, k] == e
+            h = x[rows].float() @ w13[e].T
+            act = torch.nn.functional.silu(h[:, :INTER]) * h[:, INTER:]
+            out[rows] += w[rows, k : k + 1].float() * (act @ w2[e].T)
+    return out
+
+
 def _model(experts: tuple[int, ...]) -> Any:
-    """An FFN model holding ``experts`` (quantized W8A8), as afd-models' FFN role loads them."""
+    """An FFN model holding ``experts`` (quantized W8A8), as afd-models' FFN role loads them,
+    keeping layer 1's float experts (``AFD_REPORT_QUANT_ERROR``)."""
     src = {i: (a[list(experts)], b[list(experts)]) for i, (a, b) in _sources().items()}
     weights = export_quantized_expert_weights(src, scheme=QuantScheme.W8A8)
+    kept = src[1]
 
     class Model:
         afd_moe_layer_indices = LAYERS
@@ -57,6 +72,9 @@ def _model(experts: tuple[int, ...]) -> Any:
         def afd_route(self, layer: int, hidden: torch.Tensor, logits: Any, topk: Any) -> Any:
             assert topk is not None
             return topk[0].float(), topk[1].to(torch.int32)  # one rank: global == local
+
+        def afd_reference_output(self, layer: int, hidden: Any, w: Any, ids: Any) -> Any:
+            return _float_moe(hidden, *kept, w, ids) if layer == 1 else None
 
     return Model()
 
@@ -146,6 +164,12 @@ def test_two_ffn_ranks_of_a_collective_mega_answer_as_one_mega_with_every_expert
     # FFN rank 1 computed no tokens of its own (its share went through the group).
     assert services[1].stats.compute_calls == 0 and services[1].stats.bytes == 0
     assert services[0].stats.compute_calls == len(STEPS) * len(LAYERS)
+    # The accuracy measurement (layer 1) goes through the same exchange: against the whole fp32
+    # output, W8A8's error; against rank 0's own experts' share alone it would be of order 1.
+    calls, worst = computes[0]._errors[1]
+    assert calls == len(STEPS) and 1e-5 < worst < 5e-2, worst
+    assert 1 not in computes[1]._errors  # no rows of its own to measure
+    assert computes[0].role_agreement()["quant_error_layers"] == [1]
     one = QuantizedFFNCompute("mega", _model(tuple(range(E))), max_tokens=16, ffn_rank=0)
     one.bind(_OneRank())  # type: ignore[arg-type]
     assert not one.collective

@@ -3,7 +3,8 @@
 Public API: :class:`LayeredCompute`, :class:`MegaCompute`, :class:`ComputeConfig`,
 :class:`MegaCommParams`, :class:`ComputeWorkspace`, :class:`ComputeGraphSignature`, the backends
 :class:`ReferenceBackend` and :class:`AscendBackend` (torch_npu loaded lazily), the fp32 yardstick
-:func:`fp32_dequantized_moe` and the error types.
+:func:`fp32_dequantized_moe`, Mega's exchange over a torch.distributed group
+(:func:`combine_over_group`) and the error types.
 """
 
 from importlib.metadata import version as _version
@@ -19,6 +20,7 @@ from afd_compute_npu.errors import (
     MegaNotBoundError,
 )
 from afd_compute_npu.fp32_moe import FP32_TOLERANCE, fp32_dequantized_moe
+from afd_compute_npu.group_exchange import combine_over_group
 from afd_compute_npu.layered import LayeredCompute
 from afd_compute_npu.mega import MegaCompute
 from afd_compute_npu.reference import reference_moe
@@ -47,6 +49,7 @@ __all__ = [
     "MegaNotBoundError",
     "ReferenceBackend",
     "__version__",
+    "combine_over_group",
     "fp32_dequantized_moe",
     "load_ascend_native_ops",
     "reference_moe",

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 from afd_weights import LayerCodes, QuantizedExpertWeights, layer_codes
@@ -11,6 +10,7 @@ from afd_weights import LayerCodes, QuantizedExpertWeights, layer_codes
 from afd_compute_npu.backend import ComputeBackend, ComputeKind
 from afd_compute_npu.config import ComputeConfig, MegaCommParams
 from afd_compute_npu.errors import ComputeConfigError
+from afd_compute_npu.group_exchange import combine_over_group
 from afd_compute_npu.reference import (
     combine,
     dynamic_quant_int8,
@@ -30,11 +30,11 @@ class ReferenceBackend(ComputeBackend):
     decoded to fp32); that cache belongs to the compute object, the contract is untouched. Mega
     bound to one rank runs the local expert math. Bound to ``W > 1`` ranks it does what the fused
     kernel's dispatch and combine do, through the bound torch.distributed group
-    (:attr:`MegaCommParams.group`): every rank's tokens reach the rank of each of their experts
-    (``e // E_local``) and come back summed. The reference gathers every rank's rows, computes
-    its own experts' share of all of them (the one-rank math with the other experts' slots at
-    weight 0) and sums the shares over the group (fp32), so a token whose experts all live on one
-    rank gets exactly the one-rank result.
+    (:attr:`MegaCommParams.group`, :func:`~afd_compute_npu.group_exchange.combine_over_group`):
+    each rank computes its own experts' share of every rank's rows (the one-rank math with the
+    other experts' slots at weight 0), the shares are summed over the group (fp32) and scaled
+    after the sum, so a token whose experts all live on one rank gets exactly the one-rank
+    result.
     """
 
     name = "reference"
@@ -115,41 +115,19 @@ class ReferenceBackend(ComputeBackend):
                 f"the torch.distributed group behind {comm.group_name!r} (the reference runs "
                 f"Mega's dispatch and combine over its {comm.world_size} ranks through it)",
             )
-        count = torch.tensor([t], dtype=torch.int64, device=hidden_states.device)
-        counts = _all_gather(group, comm.world_size, count)
-        sizes = [int(c) for c in counts.flatten().tolist()]
-        if not sum(sizes):  # every rank's call is empty: nothing to exchange
-            return
-        x, ids, p = (
-            _gather_rows(group, comm.world_size, rows, sizes)
-            for rows in (hidden_states, topk_ids.long(), probs)
+        combined = combine_over_group(
+            group,
+            comm.world_size,
+            comm.rank,
+            layer_args.w13_codes.shape[0],
+            hidden_states,
+            topk_ids,
+            probs,
+            lambda x, ids, p: moe(x, ids, p, 1.0),
         )
-        n_local = layer_args.w13_codes.shape[0]
-        mine = torch.div(ids, n_local, rounding_mode="floor") == comm.rank
-        share = moe(
-            x,
-            torch.where(mine, ids - comm.rank * n_local, 0),
-            torch.where(mine, p, torch.zeros_like(p)),
-            1.0,
-        ).float()
-        group.allreduce([share]).wait()  # sum over the group
-        start = sum(sizes[: comm.rank])
+        if combined is None:  # every rank's call is empty: nothing to exchange
+            return
         out = ws.out[:t]
-        out.copy_(share[start : start + t])
+        out.copy_(combined)
         if weights.routed_scaling_factor != 1.0:  # after the sum, as the one-rank math scales
             out.mul_(weights.routed_scaling_factor)
-
-
-def _all_gather(group: Any, world_size: int, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` of every group rank, stacked in rank order (equal shapes)."""
-    out = [torch.empty_like(tensor) for _ in range(world_size)]
-    group.allgather([out], [tensor]).wait()
-    return torch.stack(out)
-
-
-def _gather_rows(group: Any, world_size: int, rows: torch.Tensor, sizes: list[int]) -> torch.Tensor:
-    """Every group rank's ``rows`` (rank ``r`` has ``sizes[r]``), concatenated in rank order."""
-    padded = rows.new_zeros((max(max(sizes), 1), *rows.shape[1:]))
-    padded[: rows.shape[0]] = rows
-    gathered = _all_gather(group, world_size, padded)
-    return torch.cat([gathered[r, :n] for r, n in enumerate(sizes)])

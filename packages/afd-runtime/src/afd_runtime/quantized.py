@@ -43,6 +43,7 @@ from afd_compute_npu import (
     MegaCommParams,
     MegaCompute,
     ReferenceBackend,
+    combine_over_group,
 )
 from afd_core.connector import AFDConnectorBase
 from afd_core.errors import AFDConfigError, AFDPayloadError
@@ -121,6 +122,7 @@ class QuantizedFFNCompute:
         self.bound_group_name: str | None = None  # the communicator the current Mega is bound to
         self.metrics = RoleMetrics("ffn", ffn_rank)
         self._errors: dict[int, tuple[int, float]] = {}  # layer -> (calls, max relative error)
+        self._measured = self._measured_layers()
 
     @property
     def needs_bind(self) -> bool:
@@ -138,6 +140,8 @@ class QuantizedFFNCompute:
         g = self.weights.geometry
         return {
             "ffn_compute": self.name,
+            # A collective Mega measures its error through the group: every rank or none.
+            "quant_error_layers": list(self._measured),
             "expert_quant": self.weights.scheme.value,
             "group_size": self.weights.group_size,
             "hidden_size": g.hidden_size,
@@ -280,13 +284,50 @@ class QuantizedFFNCompute:
             compute = MegaCompute(self.weights, self.config, self.backend)
         with torch.inference_mode():
             out = compute(layer_idx, hidden_states, ids, weights)
-            # The float reference holds this rank's experts only: not a collective's output.
-            reference = None if collective else getattr(self._model, "afd_reference_output", None)
-            ref = None if reference is None else reference(layer_idx, hidden_states, weights, ids)
+            ref = self._reference(layer_idx, hidden_states, weights, ids, collective)
         if ref is not None and out.numel():
             self._track_error(layer_idx, out, ref)
         # The workspace view is overwritten by the next call: the reply must own its rows.
         return out.clone()
+
+    def _measured_layers(self) -> tuple[int, ...]:
+        """The layers the model keeps a float reference of (``afd_reference_output`` answers)."""
+        reference = getattr(self._model, "afd_reference_output", None)
+        if reference is None:
+            return ()
+        k = self.config.top_k
+        x = torch.empty(0, self.weights.geometry.hidden_size)
+        w, i = torch.empty(0, k), torch.empty(0, k, dtype=torch.int32)
+        return tuple(lid for lid in self.weights.layer_ids if reference(lid, x, w, i) is not None)
+
+    def _reference(
+        self,
+        layer_idx: int,
+        hidden_states: torch.Tensor,
+        weights: torch.Tensor,
+        ids: torch.Tensor,
+        collective: bool,
+    ) -> torch.Tensor | None:
+        """The fp32 output of a measured layer with the float experts. A collective Mega's
+        float reference goes through the same exchange (the kept float layer holds this rank's
+        experts: each rank computes their share, the group sums them)."""
+        if layer_idx not in self._measured:
+            return None
+        reference = self._model.afd_reference_output  # type: ignore[attr-defined]
+        if not collective:
+            return reference(layer_idx, hidden_states, weights, ids)
+        assert isinstance(self._compute, MegaCompute)
+        comm = self._compute.comm
+        return combine_over_group(
+            comm.group,
+            comm.world_size,
+            comm.rank,
+            self.weights.geometry.num_experts,
+            hidden_states,
+            ids,
+            weights,
+            lambda x, local_ids, p: reference(layer_idx, x, p, local_ids),
+        )
 
     def _track_error(self, layer_idx: int, out: torch.Tensor, ref: torch.Tensor) -> None:
         scale = float(ref.abs().max())

@@ -209,13 +209,16 @@ class MetricsCheck:
 
 @dataclass(frozen=True)
 class QuantRankStats:
-    """One FFN rank of a quantized run: its quantized-compute metrics (None when absent) and its
-    measured error as ``(layer, calls, max_rel)`` (None: not measured)."""
+    """One FFN rank of a quantized run: its quantized-compute metrics (None when absent), its
+    measured error as ``(layer, calls, max_rel)`` (None: not measured) and whether it computed
+    tokens of its own (a Mega over several FFN ranks gets every token at one of them: the others
+    only add their experts' share through the group and have no rows to measure)."""
 
     rank: int
     name: str
     quant: QuantReport | None
     error: tuple[int, int, float] | None
+    computed: bool = True
 
 
 @dataclass(frozen=True)
@@ -224,7 +227,8 @@ class QuantSummary:
     (:data:`QUANT_ERROR_TOLERANCE`), each FFN rank's measurements, and how many greedy tokens
     equal plain fp32 vLLM's (position by position, over all prompts; see :func:`token_match`).
 
-    ``ok`` when every FFN rank published an error and each is within ``tolerance``."""
+    ``ok`` when every FFN rank that computed tokens published an error (at least one did) and
+    each is within ``tolerance``."""
 
     ffn_compute: str
     expert_quant: str
@@ -241,8 +245,11 @@ class QuantSummary:
 
     @property
     def unmeasured(self) -> tuple[int, ...]:
-        """FFN ranks that published no ``afd_ffn_quant_error_max_rel``."""
-        return tuple(r.rank for r in self.ranks if r.error is None)
+        """FFN ranks that computed tokens and published no ``afd_ffn_quant_error_max_rel`` (every
+        rank when none computed)."""
+        if not any(r.computed for r in self.ranks):
+            return tuple(r.rank for r in self.ranks)
+        return tuple(r.rank for r in self.ranks if r.error is None and r.computed)
 
     @property
     def over_tolerance(self) -> tuple[int, ...]:
@@ -331,9 +338,9 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     return [line(header), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, rows)]
 
 
-def _fmt_error(error: tuple[int, int, float] | None) -> tuple[str, str, str]:
+def _fmt_error(error: tuple[int, int, float] | None, computed: bool) -> tuple[str, str, str]:
     if error is None:
-        return "-", "-", "not measured"
+        return "-", "-", "not measured" if computed else "no tokens of its own"
     layer, calls, err = error
     return str(layer), str(calls), f"{err:.3e}"
 
@@ -361,7 +368,7 @@ def render_quant(quant: QuantSummary) -> list[str]:
                 "n/a" if q is None else _fmt_bytes(q.expert_bytes),
                 "n/a" if q is None else _fmt_bytes(q.bf16_bytes),
                 "n/a" if q is None else f"{q.ratio_vs_bf16:.3f}",
-                *_fmt_error(r.error),
+                *_fmt_error(r.error, r.computed),
             ]
         )
     header = [
@@ -392,9 +399,12 @@ def _verdict(report: DemoReport) -> str:
     tokens = f"{n_bad} of {n} prompts differ from plain fp32 vLLM (not expected to be identical)"
     if quant.ok:
         assert quant.max_rel is not None
+        which = "every FFN rank" + (
+            "" if all(r.computed for r in quant.ranks) else " with tokens of its own"
+        )
         return (
             f"PASS: quantized experts within tolerance (max relative error {quant.max_rel:.3e} "
-            f"<= {quant.tolerance:.1e} on every FFN rank); {tokens}"
+            f"<= {quant.tolerance:.1e} on {which}); {tokens}"
         )
     reasons = []
     if not quant.ranks:
@@ -658,9 +668,14 @@ def quant_summary(
     ranks = []
     for rank, ffn in enumerate(ffns):
         log = metrics.get(ffn.name, "")
+        stats = parse_ffn_stats(log).get(rank)
         ranks.append(
             QuantRankStats(
-                rank, ffn.name, parse_quantized(log).get(rank), parse_quant_error(log).get(rank)
+                rank,
+                ffn.name,
+                parse_quantized(log).get(rank),
+                parse_quant_error(log).get(rank),
+                computed=stats is None or stats.tokens > 0,
             )
         )
     equal, total = token_match(parity)
