@@ -46,8 +46,8 @@ encoded to int64 fp32 bits once at preparation; W8A8 passes **empty** bias lists
 
 with ``max_output_size = max_tokens * top_k * world_size``; ``topk_ids`` are global over the group
 (expert ``e`` on group rank ``e // E_local``). A rank with no tokens of its own still calls it
-(a collective): with one zero row and ``x_active_mask = [False]``. Both paths multiply the ``[T, H]``
-result in place by ``routed_scaling_factor`` when it is not 1.
+(a collective): with one zero row and ``x_active_mask = [False]``. Both paths multiply the
+``[T, H]`` result in place by ``routed_scaling_factor`` when it is not 1.
 """
 
 from __future__ import annotations

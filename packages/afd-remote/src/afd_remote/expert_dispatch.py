@@ -5,8 +5,8 @@ ExpertMap`), a token goes to every FFN rank that holds at least one of its top-k
 hidden state and its (global) top-k ids and weights; each rank answers the sum over *its* experts
 of ``weight * expert(x)``. :func:`plan_expert_dispatch` decides the rows (or
 :func:`plan_home_dispatch` when the FFN compute dispatches among the FFN ranks itself,
-``expert_dispatch='ffn'``: every row to one FFN rank, whose reply is each token's whole output), :func:`split_for_dispatch`
-cuts a token-aligned tensor into the per-rank pieces, :func:`combine_expert_outputs` adds the
+``expert_dispatch='ffn'``: every row to one FFN rank, whose reply is each token's whole output),
+:func:`split_for_dispatch` cuts a token-aligned tensor into the per-rank pieces, :func:`combine_expert_outputs` adds the
 partial outputs back.
 
 Combine order (fixed, documented, tested): start from zeros, then add FFN rank 0's partials, then

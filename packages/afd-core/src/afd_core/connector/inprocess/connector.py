@@ -12,8 +12,9 @@ port): its store and one FIFO queue per ``(round, sender, receiver, kind, stage)
 transfer is one request ``(layer, stage, tokens, tensors)`` from an Attention rank to an FFN rank
 (sent for every stage, also with 0 tokens) and, when it had tokens, one reply. Sent
 tensors are copied, so a sender may reuse its buffers. A wait polls its peer's published failure
-and goodbye between queue reads, and is bounded by ``config.timeout_s``. The one process group it opens is the FFN ranks' own (gloo
-between their threads) when their compute is a collective over them (``config.needs_ffn_group``).
+and goodbye between queue reads, and is bounded by ``config.timeout_s``. The one process group it
+opens is the FFN ranks' own (gloo between their threads) when their compute is a collective over
+them (``config.needs_ffn_group``).
 """
 
 from __future__ import annotations
