@@ -181,6 +181,22 @@ def test_two_ffn_ranks_of_a_collective_mega_answer_as_one_mega_with_every_expert
             assert torch.equal(got[(step, layer)], expected), (step, layer)
 
 
+def test_a_collective_mega_needs_the_tokens_global_top_k() -> None:
+    """Bound over two FFN ranks, Mega takes the top-k as routed on the Attention role: a call
+    without it is refused naming ``topk`` before any collective starts."""
+    from afd_core.errors import AFDPayloadError
+
+    class TwoRanks(_OneRank):
+        def ffn_group_info(self) -> AFDGroupInfo:
+            return AFDGroupInfo(name="two/ffn", world_size=2, rank=0, peer_ranks=(1,))
+
+    mega = QuantizedFFNCompute("mega", _model((0, 1)), max_tokens=8, ffn_rank=0)
+    mega.bind(TwoRanks())  # type: ignore[arg-type]
+    with pytest.raises(AFDPayloadError) as err:
+        mega(1, torch.zeros(2, H), None)
+    assert err.value.field == "topk"
+
+
 def test_mega_over_several_ffn_ranks_needs_their_contiguous_expert_share() -> None:
     """Mega's fused dispatch sends expert ``e`` to FFN rank ``e // experts-per-rank``: a rank
     holding another share is refused at bind, naming ``num_ffn_ranks``."""
