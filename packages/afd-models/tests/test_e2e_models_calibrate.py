@@ -1,6 +1,7 @@
 """``afd bench --profile`` with its engine runs: plain vLLM and an AFD 1:1 pair on the tiny
-checkpoint give the profile's step, sequence and per-message costs (the rates and the wake-up
-are covered without engines by ``test_models_calibrate.py``)."""
+checkpoint give the profile's step, sequence and per-message costs, and on a host of fewer than
+three cores AFD 1:2 its oversubscription cost (the rates and the wake-up are covered without
+engines by ``test_models_calibrate.py``)."""
 
 from __future__ import annotations
 
@@ -36,3 +37,12 @@ def test_profile_measures_the_engine_and_the_exchange(tmp_path: Path) -> None:
     assert raw["engine"]["afd_tpot_s"] > raw["engine"]["plain_tpot_s"]["1"]
     assert profile.message_overhead > raw["wakeup_s"]
     assert "AFD 1:1 at batch 1" in profile.source
+    shared = raw["engine"]["shared_tpot_s"]
+    if (os.cpu_count() or 1) < 3:
+        # Three engines on fewer cores: the 1:2 step is slower than the pair's, and what the
+        # share of time does not explain lands in the cost (at least 0).
+        assert shared > raw["engine"]["afd_tpot_s"]
+        assert profile.host_cores == os.cpu_count() and profile.oversubscription_cost >= 0
+        assert "AFD 1:2 gate on Attention at batch 1" in profile.source
+    else:
+        assert shared is None and "AFD 1:2" not in profile.source

@@ -73,6 +73,22 @@ def test_engine_overheads_solve_the_hand_computed_case(checkpoint: Path) -> None
         INSTANT, EngineCalibration(str(checkpoint), 48, {1: 3e-3, 16: 2e-3}, 1e-3)
     )
     assert clamped["sequence_overhead"] == 0.0 and clamped["message_overhead"] == 0.0
+    assert "oversubscription_cost" not in got  # no 1:2 measurement, no shared host
+
+
+@pytest.mark.parametrize(("shared_ms", "cost"), [(11.7, 1.0), (15.6, 2.0), (7.0, 0.0)])
+def test_oversubscription_cost_from_three_engines_on_two_cores(
+    checkpoint: Path, shared_ms: float, cost: float
+) -> None:
+    # The case above (step 2.9 ms, 0.1 ms a sequence, m = 0.3 ms). Unshared, 1:2 at batch 1 is
+    # 3.0 ms of engine + 4 MoE layers x 4 messages (the Attention end posts and completes one
+    # per FFN rank each way) x 0.3 ms = 7.8 ms. Measured 11.7 ms: a stretch of 1.5 = 1 + cost x
+    # (3 - 2) / 2 -> cost 1 (the share of time); 15.6 ms -> 2; faster than unshared clamps at 0.
+    eng = EngineCalibration(str(checkpoint), 48, {1: 3.0e-3, 16: 4.5e-3}, 5.4e-3, shared_ms / 1e3)
+    got = engine_overheads({**INSTANT, "host_cores": 2}, eng)
+    assert got["oversubscription_cost"] == pytest.approx(cost, abs=1e-9)
+    # Three cores or more hold the three engines: nothing to fit.
+    assert "oversubscription_cost" not in engine_overheads({**INSTANT, "host_cores": 3}, eng)
 
 
 def test_the_comparison_prices_the_engine_and_the_exchange(checkpoint: Path) -> None:
@@ -123,6 +139,28 @@ def test_a_run_with_its_engine_anchors_fits_them_and_predicts_the_rest(checkpoin
     assert got == {("plain", 4): 3.3, ("afd 1:1", 4): 5.7}
     assert cmp.within_target == 2 and cmp.to_json()["predicted_rows"] == 2
     assert "(anchor)" in render_plan_comparison(cmp)
+    # On a host of two cores the run's 1:2 at batch 1 anchors the oversubscription (the case
+    # above: 15.6 ms -> cost 2, so 1:2 at batch 4, 8.1 ms unshared, is predicted 16.2 ms).
+    shared_rows = [
+        *rows,
+        {"setup": "afd 1:2 gate-attn", "batch": 1, "tpot_ms": 15.6},
+        {"setup": "afd 1:2 gate-attn", "batch": 4, "tpot_ms": 17.0},
+    ]
+    host = hw.with_overrides(host_cores=2)
+    shared = compare_with_plan(shared_rows, {"tiny": checkpoint}, host, max_tokens=48)
+    assert shared.anchored is not None
+    assert shared.anchored["oversubscription_cost"] == pytest.approx(2.0)
+    assert {(r.setup, r.batch) for r in shared.rows if r.anchor} == {
+        *anchors,
+        ("afd 1:2 gate-attn", 1),
+    }
+    got = {(r.setup, r.batch): round(r.predicted_ms, 6) for r in shared.predicted}
+    assert got == {("plain", 4): 3.3, ("afd 1:1", 4): 5.7, ("afd 1:2 gate-attn", 4): 16.2}
+    assert "oversubscription_cost 2.00" in render_plan_comparison(shared)
+    # Own devices (no host_cores): the 1:2 row is a prediction like any other.
+    own = compare_with_plan(shared_rows, {"tiny": checkpoint}, hw, max_tokens=48)
+    assert own.anchored is not None and "oversubscription_cost" not in own.anchored
+    assert ("afd 1:2 gate-attn", 1) in {(r.setup, r.batch) for r in own.predicted}
     # Without the anchor rows (or asked not to) the profile's overheads price every row.
     plain = compare_with_plan(rows, {"tiny": checkpoint}, hw, max_tokens=48, anchor=False)
     assert plain.anchored is None and not any(r.anchor for r in plain.rows)

@@ -69,6 +69,19 @@ def test_host_cores_default_to_own_devices_and_round_trip(tmp_path: Path) -> Non
     assert "host_cores" not in own.to_mapping()
 
 
+def test_oversubscription_cost_scales_the_engines_beyond_the_cores(tmp_path: Path) -> None:
+    # 1 + cost * (engines - cores) / cores on 2 cores: cost 1 is the share of time (above).
+    host = profile_from_mapping({**ROUND_DEVICE, "host_cores": 2, "oversubscription_cost": 2.6})
+    assert [host.time_sharing(n) for n in (2, 3, 4)] == pytest.approx([1.0, 2.3, 3.6])
+    assert host.with_overrides(oversubscription_cost=0).time_sharing(3) == 1.0
+    (tmp_path / "host.json").write_text(json.dumps(host.to_mapping()))
+    assert load_profile(tmp_path / "host.json") == host
+    # Without host_cores nothing is shared, whatever the cost.
+    own = profile_from_mapping({**ROUND_DEVICE, "oversubscription_cost": 2.6})
+    assert own.time_sharing(3) == 1.0
+    assert "oversubscription_cost" not in profile_from_mapping(ROUND_DEVICE).to_mapping()
+
+
 @pytest.mark.parametrize(
     ("change", "field", "allowed"),
     [
@@ -88,6 +101,8 @@ def test_host_cores_default_to_own_devices_and_round_trip(tmp_path: Path) -> Non
         ({"host_cores": -1}, "host_cores", "an integer >= 0"),
         ({"host_cores": 2.0}, "host_cores", "an integer >= 0"),
         ({"host_cores": True}, "host_cores", "an integer >= 0"),
+        ({"oversubscription_cost": -0.5}, "oversubscription_cost", ">= 0"),
+        ({"oversubscription_cost": "high"}, "oversubscription_cost", ">= 0"),
     ],
 )
 def test_bad_profile_field_is_named(change: dict[str, Any], field: str, allowed: str) -> None:

@@ -40,9 +40,14 @@ key                        meaning                                              
                            share it) adds them
 ``host_cores``             the cores every role's engine shares (a CPU host where  int >= 0
                            all roles run on one machine): a deployment with more
-                           engines than cores stretches every step by
-                           ``engines / host_cores`` (default 0: each role on its
-                           own device)
+                           engines than cores stretches every step
+                           (:meth:`HardwareProfile.time_sharing`; default 0: each
+                           role on its own device)
+``oversubscription_cost``  with ``host_cores``: the stretch is                     >= 0
+                           ``1 + cost * (engines - host_cores) / host_cores``
+                           (default 1: ``engines / host_cores``, each engine's
+                           share of time; ``afd bench --profile`` measures it,
+                           a woken engine's wait for a core included)
 ``description``            free text (optional)                                    any string
 =========================  ======================================================  ==========
 
@@ -110,7 +115,12 @@ _OPTIONAL: Final[dict[str, float]] = {
     "step_overhead": 0.0,
     "sequence_overhead": 0.0,
     "kv_efficiency": 0.0,
+    "oversubscription_cost": 1.0,
 }
+#: Optional keys that are any finite number >= 0 (the others are fractions in (0, 1]).
+_NON_NEGATIVE: Final[frozenset[str]] = frozenset(
+    {"layer_overhead", "step_overhead", "sequence_overhead", "oversubscription_cost"}
+)
 
 
 @dataclass(frozen=True)
@@ -141,6 +151,7 @@ class HardwareProfile:
     messages_use_compute: bool = False
     compute_overlaps_memory: bool = True
     host_cores: int = 0
+    oversubscription_cost: float = 1.0
     description: str = ""
 
     def flops(self, dtype: str) -> float:
@@ -207,17 +218,24 @@ class HardwareProfile:
             **({"messages_use_compute": True} if self.messages_use_compute else {}),
             **({} if self.compute_overlaps_memory else {"compute_overlaps_memory": False}),
             **({"host_cores": self.host_cores} if self.host_cores else {}),
+            **(
+                {"oversubscription_cost": self.oversubscription_cost}
+                if self.oversubscription_cost != 1.0
+                else {}
+            ),
         }
 
     def time_sharing(self, engines: int) -> float:
         """How much a deployment of ``engines`` engine processes stretches on a shared host:
-        ``engines / host_cores`` when they outnumber its cores, else 1 (always 1 with
-        ``host_cores`` 0). Each engine then runs about ``host_cores / engines`` of the time, and
-        a woken engine (a message arrived) waits for a core: on the calibration host three
-        engines on two cores measured 1.4-2.2x the 1:1 pair's step."""
+        ``1 + oversubscription_cost * (engines - host_cores) / host_cores`` when they outnumber
+        its cores, else 1 (always 1 with ``host_cores`` 0). With the default cost 1 that is
+        ``engines / host_cores``: each engine runs about ``host_cores / engines`` of the time.
+        A woken engine (a message arrived) also waits for a core, which the share of time does
+        not hold: on the calibration host three engines on two cores measured 1.4-2.3x the 1:1
+        pair's step from one run to the next, so ``afd bench --profile`` measures the cost."""
         if self.host_cores <= 0 or engines <= self.host_cores:
             return 1.0
-        return engines / self.host_cores
+        return 1.0 + self.oversubscription_cost * (engines - self.host_cores) / self.host_cores
 
 
 def shipped_profiles() -> dict[str, Path]:
@@ -293,7 +311,7 @@ def profile_from_mapping(data: Mapping[str, Any], *, origin: str = "profile") ->
         values[key] = _number(f"{origin}:{key}", data[key], positive=False)
     for key, default in _OPTIONAL.items():
         raw = data.get(key, default)
-        if key in ("layer_overhead", "step_overhead", "sequence_overhead"):
+        if key in _NON_NEGATIVE:
             values[key] = _number(f"{origin}:{key}", raw, positive=False)
         elif key == "kv_efficiency" and key not in data:
             values[key] = 0.0

@@ -38,7 +38,8 @@ sequence_overhead`` on top of the layers (scheduling, input preparation, samplin
 
 **Shared host** (profile ``host_cores`` > 0: every role's engine on one machine's cores): a
 deployment of more engines (``A + F``; colocated ``N``) than cores stretches the whole step by
-``engines / host_cores``, and the binding reads ``host cores``.
+``1 + oversubscription_cost * (engines - host_cores) / host_cores`` (``engines / host_cores``
+with the default cost 1), and the binding reads ``host cores``.
 
 **Throughput.** ``tokens/s = A * b / TPOT`` (colocated ``N * b / TPOT``); per device divide by
 ``A + F`` (``N``).

@@ -25,9 +25,11 @@ not the quantized GEMM the model prices). The gate's placement is not a term of 
 Engine anchors: the engine's own software per step (``step_overhead``, ``sequence_overhead``) and
 per message (``message_overhead``) are taken from the compared run itself when it measured
 them: plain on the tiny checkpoint at two batch sizes and ``afd 1:1`` at batch 1 (the rows
-``afd bench --profile`` calibrates them on; :func:`afd_models.demo.calibrate.engine_overheads`).
-Those three rows are then *anchors* (fitted, marked, not counted in the error target) and every
-other row is a prediction from them and the profile's rates. Why: the same plain run measured
+``afd bench --profile`` calibrates them on; :func:`afd_models.demo.calibrate.engine_overheads`);
+on a profile whose ``host_cores`` are fewer than three, the run's ``afd 1:2 gate-attn`` at batch
+1 also gives the host's ``oversubscription_cost`` (three engines on the cores). Those rows are
+then *anchors* (fitted, marked, not counted in the error target) and every other row is a
+prediction from them and the profile's rates. Why: the same plain run measured
 3.06 ms in one ``afd bench`` and 4.37 ms in the calibration run an hour before it on the shared
 VM, which alone put every prediction 40 % off.
 
@@ -170,12 +172,12 @@ def compare_with_plan(
 
     Raises ``KeyError`` naming a width a row needs and ``checkpoints`` lacks."""
     work = Workload(input_len=prompt_tokens, output_len=max_tokens)
-    anchors = _anchor_rows(tpot_rows) if anchor and "tiny" in checkpoints else None
+    anchors = _anchor_rows(tpot_rows, hw) if anchor and "tiny" in checkpoints else None
     anchored: dict[str, float] | None = None
     if anchors is not None:
         from afd_models.demo.calibrate import EngineCalibration, engine_overheads
 
-        plain, afd = anchors
+        plain, afd, shared = anchors
         anchored = engine_overheads(
             {**hw.to_mapping(), "step_overhead": 0.0, "sequence_overhead": 0.0},
             EngineCalibration(
@@ -183,6 +185,7 @@ def compare_with_plan(
                 max_tokens=max_tokens,
                 plain_tpot_s={b: ms / 1e3 for b, ms in plain.items()},
                 afd_tpot_s=afd / 1e3,
+                shared_tpot_s=None if shared is None else shared / 1e3,
             ),
         )
         hw = hw.with_overrides(**anchored)
@@ -200,7 +203,9 @@ def compare_with_plan(
             shapes[width] = load_model_shape(checkpoints[width])
         pred = predict(shapes[width], work, hw, cand)
         is_anchor = anchors is not None and (
-            (setup == "plain" and batch in anchors[0]) or (setup, batch) == ("afd 1:1", 1)
+            (setup == "plain" and batch in anchors[0])
+            or (setup, batch) == _PAIR_ANCHOR
+            or ((setup, batch) == _SHARED_ANCHOR and anchors[2] is not None)
         )
         starts = tuple(float(x) for x in raw.get("start_tpot_ms", ()))
         rows.append(
@@ -217,17 +222,25 @@ def compare_with_plan(
     return PlanComparison(hw.name, tuple(rows), _misordered(rows), anchored)
 
 
+#: The anchor row of the exchange's per-message cost, and of a shared host's oversubscription.
+_PAIR_ANCHOR: Final[tuple[str, int]] = ("afd 1:1", 1)
+_SHARED_ANCHOR: Final[tuple[str, int]] = ("afd 1:2 gate-attn", 1)
+
+
 def _anchor_rows(
-    tpot_rows: Sequence[Mapping[str, Any]],
-) -> tuple[dict[int, float], float] | None:
+    tpot_rows: Sequence[Mapping[str, Any]], hw: HardwareProfile
+) -> tuple[dict[int, float], float, float | None] | None:
     """The run's engine anchors: plain (tiny) at its smallest and largest batch, ``afd 1:1`` at
-    batch 1 (milliseconds); ``None`` unless all three were measured."""
-    plain = {int(r["batch"]): float(r["tpot_ms"]) for r in tpot_rows if r["setup"] == "plain"}
-    afd = [float(r["tpot_ms"]) for r in tpot_rows if (r["setup"], r["batch"]) == ("afd 1:1", 1)]
-    if len(plain) < 2 or not afd:
+    batch 1, and ``afd 1:2 gate-attn`` at batch 1 when ``hw`` shares fewer than three cores
+    (else ``None`` in its place) (milliseconds); ``None`` unless the first three were
+    measured."""
+    by_row = {(str(r["setup"]), int(r["batch"])): float(r["tpot_ms"]) for r in tpot_rows}
+    plain = {b: ms for (setup, b), ms in by_row.items() if setup == "plain"}
+    if len(plain) < 2 or _PAIR_ANCHOR not in by_row:
         return None
     lo, hi = min(plain), max(plain)
-    return {lo: plain[lo], hi: plain[hi]}, afd[0]
+    shared = by_row.get(_SHARED_ANCHOR) if 0 < hw.host_cores < 3 else None
+    return {lo: plain[lo], hi: plain[hi]}, by_row[_PAIR_ANCHOR], shared
 
 
 def _misordered(rows: Sequence[PlannedRow]) -> tuple[tuple[str, str], ...]:
@@ -259,7 +272,10 @@ def render_plan_comparison(cmp: PlanComparison) -> str:
     if cmp.anchored is not None:
         lines.append(
             "engine overheads fitted on this run's anchor rows: "
-            + ", ".join(f"{k} {v * 1e6:.0f} us" for k, v in cmp.anchored.items())
+            + ", ".join(
+                f"{k} {v:.2f}" if k == "oversubscription_cost" else f"{k} {v * 1e6:.0f} us"
+                for k, v in cmp.anchored.items()
+            )
         )
     lines.append(
         f"{cmp.within_target}/{len(cmp.predicted)} predicted rows within {TARGET_ERROR:.0%}; "

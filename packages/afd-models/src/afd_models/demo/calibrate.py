@@ -21,13 +21,16 @@ what each role gets under ``afd bench``'s placement):
   or receives it).
 * ``compute_overlaps_memory``: false (one core streams a layer's weights and computes on them
   in turn: a decode GEMM's time is about the two added, not the larger).
-* **Engine software** (:func:`measure_engine`, unless ``--no-engine``): vLLM itself on the tiny Qwen3-MoE, with the
-  thread placement ``afd bench`` uses: plain vLLM at batch 1 and 16 and an AFD pair (1:1, gate
-  on FFN) at batch 1, each a median TPOT. What the model's layer terms (on the rates above) do
+* **Engine software** (:func:`measure_engine`, unless ``--no-engine``): vLLM itself on the
+  tiny Qwen3-MoE, with the thread placement ``afd bench`` uses: plain vLLM at batch 1 and 16
+  and an AFD pair (1:1, gate on FFN) at batch 1, each a median TPOT. What the model's layer terms (on the rates above) do
   not explain is the engine's: the plain runs give ``step_overhead`` (per decode step) and
   ``sequence_overhead`` (per sequence per step), the pair's excess over plain gives
   ``message_overhead`` (the software cost of one message of the AFD exchange: the proxy, the
   connector, the FFN service loop and the wake-ups of both roles; two per MoE layer at 1:1).
+  On a host with fewer than three cores, AFD 1:2 (gate on Attention) at batch 1 too: three
+  engines on the cores, its stretch over the model's unshared step gives
+  ``oversubscription_cost`` (afd-plan's time sharing; ``host_cores`` is this host's CPUs).
 
 The written profile validates with :func:`afd_plan.profile_from_mapping` before it is written;
 ``afd plan`` uses the file at :func:`afd_plan.calibrated_profile_path` by default.
@@ -210,15 +213,23 @@ def measure_wakeup(repeats: int = 2000) -> float:
 ENGINE_BATCHES: Final[tuple[int, int]] = (1, 16)
 
 
+#: The deployment whose TPOT prices a host's oversubscription: AFD 1:2 (gate on Attention) at
+#: batch 1, three engines (one Attention rank, two FFN ranks).
+SHARED_HOST_ENGINES: Final[int] = 3
+
+
 @dataclass(frozen=True)
 class EngineCalibration:
-    """Median TPOTs (s) of vLLM on the tiny checkpoint ``model``: plain by batch, and the AFD
-    1:1 pair (gate on FFN) at batch 1; ``max_tokens`` per request."""
+    """Median TPOTs (s) of vLLM on the tiny checkpoint ``model``: plain by batch, the AFD 1:1
+    pair (gate on FFN) at batch 1, and, on a host with fewer cores than
+    :data:`SHARED_HOST_ENGINES`, AFD 1:2 (gate on Attention) at batch 1 (``shared_tpot_s``;
+    ``None`` when not measured); ``max_tokens`` per request."""
 
     model: str
     max_tokens: int
     plain_tpot_s: dict[int, float]
     afd_tpot_s: float
+    shared_tpot_s: float | None = None
 
 
 def measure_engine(
@@ -228,8 +239,9 @@ def measure_engine(
     quick: bool = False,
     progress: Callable[[str], None] = print,
 ) -> EngineCalibration:
-    """Plain vLLM at :data:`ENGINE_BATCHES` and an AFD 1:1 pair at batch 1, as ``afd bench``
-    starts them (one thread per role, passive waits)."""
+    """Plain vLLM at :data:`ENGINE_BATCHES`, an AFD 1:1 pair at batch 1 and, with fewer
+    cores than :data:`SHARED_HOST_ENGINES`, AFD 1:2 (gate on Attention) at batch 1, as
+    ``afd bench`` starts them (one thread per role, passive waits)."""
     from afd_models.demo.bench import (
         PLACEMENT_ENV,
         BenchConfig,
@@ -263,21 +275,40 @@ def measure_engine(
         prefix="profile-1a1f",
     )
     (afd,) = run_setup([attention, *ffns], attention, (1,), cfg, setup_name(1, 1, False))
+    shared: float | None = None
+    if (os.cpu_count() or 1) < SHARED_HOST_ENGINES:
+        progress("calibrating: AFD 1:2, three engines on this host's cores (oversubscription)")
+        attention, ffns = afd_servers(
+            model,
+            log_dir=log_dir,
+            options=options,
+            num_attention_ranks=1,
+            num_ffn_ranks=2,
+            gate_on_attention=True,
+            prefix="profile-1a2f",
+        )
+        (row,) = run_setup([attention, *ffns], attention, (1,), cfg, setup_name(1, 2, True))
+        shared = row.tpot_ms / 1e3
     return EngineCalibration(
         model=str(model),
         max_tokens=cfg.max_tokens,
         plain_tpot_s={r.batch: r.tpot_ms / 1e3 for r in rows},
         afd_tpot_s=afd.tpot_ms / 1e3,
+        shared_tpot_s=shared,
     )
 
 
 def engine_overheads(base: Mapping[str, Any], eng: EngineCalibration) -> dict[str, float]:
     """``step_overhead``, ``sequence_overhead`` and ``message_overhead`` (s) from ``eng``: what
-    afd-plan's layer terms on the ``base`` profile leave of the measured TPOTs (each at least 0).
+    afd-plan's layer terms on the ``base`` profile leave of the measured TPOTs (each at least 0);
+    with ``eng.shared_tpot_s`` on a host of ``base["host_cores"]`` fewer than three, also
+    ``oversubscription_cost``.
 
     Plain at batches ``lo < hi``: ``TPOT(b) - model(b) = step + b * sequence``, two equations.
     The 1:1 pair at batch 1, priced with those and no per-message cost, falls short of its
-    measurement by ``2 * L_moe`` messages (one each way per MoE layer)."""
+    measurement by ``2 * L_moe`` messages (one each way per MoE layer). The 1:2 deployment,
+    priced with all three and no time sharing (``T0``), measured ``T``: the stretch
+    ``T / T0 = 1 + cost * (3 - cores) / cores`` gives the cost (at least 0)."""
     from afd_plan import Candidate, Workload, load_model_shape, predict, profile_from_mapping
 
     from afd_models.demo.bench_plan import PROMPT_TOKENS
@@ -295,7 +326,14 @@ def engine_overheads(base: Mapping[str, Any], eng: EngineCalibration) -> dict[st
     hw = hw.with_overrides(step_overhead=step, sequence_overhead=sequence)
     afd = predict(shape, work, hw, Candidate(1, 1, 1, 1)).tpot_s
     message = max((eng.afd_tpot_s - afd) / (2 * shape.num_moe_layers), 0.0)
-    return {"step_overhead": step, "sequence_overhead": sequence, "message_overhead": message}
+    out = {"step_overhead": step, "sequence_overhead": sequence, "message_overhead": message}
+    cores = int(base.get("host_cores", 0))
+    if eng.shared_tpot_s is not None and 0 < cores < SHARED_HOST_ENGINES:
+        alone = hw.with_overrides(message_overhead=message, host_cores=0)
+        t0 = predict(shape, work, alone, Candidate(1, 2, 1, 1)).tpot_s
+        extra = (SHARED_HOST_ENGINES - cores) / cores
+        out["oversubscription_cost"] = max((eng.shared_tpot_s / t0 - 1.0) / extra, 0.0)
+    return out
 
 
 #: Torch threads of the rate measurements: one, as ``afd bench`` places every role (one
@@ -382,6 +420,11 @@ def write_profile(
         profile["source"] += (
             f"; vLLM on {Path(engine.model).name}: plain at batches "
             f"{sorted(engine.plain_tpot_s)}, AFD 1:1 at batch 1 (engine and exchange overheads)"
+            + (
+                ""
+                if engine.shared_tpot_s is None
+                else ", AFD 1:2 gate on Attention at batch 1 (oversubscription)"
+            )
         )
     profile_from_mapping(profile, origin="calibration")  # refuses before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
