@@ -488,6 +488,12 @@ def _bench_profile(ns: argparse.Namespace) -> int:
             if engine is not None
             else ""
         )
+        + (
+            f", {profile['host_cores']} cores shared: oversubscription cost "
+            f"{profile['oversubscription_cost']:.2f}"
+            if "oversubscription_cost" in profile
+            else ""
+        )
     )
     print(f"wrote {out} (afd plan's default profile at that path)")
     return EXIT_OK
