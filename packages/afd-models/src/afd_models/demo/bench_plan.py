@@ -238,8 +238,10 @@ def _anchor_rows(
     plain = {b: ms for (setup, b), ms in by_row.items() if setup == "plain"}
     if len(plain) < 2 or _PAIR_ANCHOR not in by_row:
         return None
+    from afd_models.demo.calibrate import SHARED_HOST_ENGINES
+
     lo, hi = min(plain), max(plain)
-    shared = by_row.get(_SHARED_ANCHOR) if 0 < hw.host_cores < 3 else None
+    shared = by_row.get(_SHARED_ANCHOR) if 0 < hw.host_cores < SHARED_HOST_ENGINES else None
     return {lo: plain[lo], hi: plain[hi]}, by_row[_PAIR_ANCHOR], shared
 
 

@@ -265,35 +265,33 @@ def measure_engine(
     progress("calibrating: plain vLLM (engine step and per-sequence costs)")
     plain = plain_server(model, log_dir=log_dir, options=options, name="profile-plain")
     rows = run_setup([plain], plain, ENGINE_BATCHES, cfg, "plain")
-    progress("calibrating: an AFD 1:1 pair (the exchange's per-message cost)")
-    attention, ffns = afd_servers(
-        model,
-        log_dir=log_dir,
-        options=options,
-        num_attention_ranks=1,
-        gate_on_attention=False,
-        prefix="profile-1a1f",
-    )
-    (afd,) = run_setup([attention, *ffns], attention, (1,), cfg, setup_name(1, 1, False))
-    shared: float | None = None
-    if (os.cpu_count() or 1) < SHARED_HOST_ENGINES:
-        progress("calibrating: AFD 1:2, three engines on this host's cores (oversubscription)")
+
+    def afd_tpot_s(num_ffn_ranks: int, gate_on_attention: bool, prefix: str) -> float:
+        """TPOT (s) at batch 1 of an AFD ``1:num_ffn_ranks`` deployment."""
         attention, ffns = afd_servers(
             model,
             log_dir=log_dir,
             options=options,
             num_attention_ranks=1,
-            num_ffn_ranks=2,
-            gate_on_attention=True,
-            prefix="profile-1a2f",
+            num_ffn_ranks=num_ffn_ranks,
+            gate_on_attention=gate_on_attention,
+            prefix=prefix,
         )
-        (row,) = run_setup([attention, *ffns], attention, (1,), cfg, setup_name(1, 2, True))
-        shared = row.tpot_ms / 1e3
+        setup = setup_name(1, num_ffn_ranks, gate_on_attention)
+        (row,) = run_setup([attention, *ffns], attention, (1,), cfg, setup)
+        return row.tpot_ms / 1e3
+
+    progress("calibrating: an AFD 1:1 pair (the exchange's per-message cost)")
+    afd = afd_tpot_s(1, False, "profile-1a1f")
+    shared: float | None = None
+    if (os.cpu_count() or 1) < SHARED_HOST_ENGINES:
+        progress("calibrating: AFD 1:2, three engines on this host's cores (oversubscription)")
+        shared = afd_tpot_s(2, True, "profile-1a2f")
     return EngineCalibration(
         model=str(model),
         max_tokens=cfg.max_tokens,
         plain_tpot_s={r.batch: r.tpot_ms / 1e3 for r in rows},
-        afd_tpot_s=afd.tpot_ms / 1e3,
+        afd_tpot_s=afd,
         shared_tpot_s=shared,
     )
 
