@@ -23,11 +23,12 @@ what each role gets under ``afd bench``'s placement):
   in turn: a decode GEMM's time is about the two added, not the larger).
 * **Engine software** (:func:`measure_engine`, unless ``--no-engine``): vLLM itself on the
   tiny Qwen3-MoE, with the thread placement ``afd bench`` uses: plain vLLM at batch 1 and 16
-  and an AFD pair (1:1, gate on FFN) at batch 1, each a median TPOT. What the model's layer terms (on the rates above) do
-  not explain is the engine's: the plain runs give ``step_overhead`` (per decode step) and
-  ``sequence_overhead`` (per sequence per step), the pair's excess over plain gives
-  ``message_overhead`` (the software cost of one message of the AFD exchange: the proxy, the
-  connector, the FFN service loop and the wake-ups of both roles; two per MoE layer at 1:1).
+  and an AFD pair (1:1, gate on FFN) at batch 1, each a median TPOT. What the model's layer
+  terms (on the rates above) do not explain is the engine's: the plain runs give
+  ``step_overhead`` (per decode step) and ``sequence_overhead`` (per sequence per step), the
+  pair's excess over plain gives ``message_overhead`` (the software cost of one message of the
+  AFD exchange: the proxy, the connector, the FFN service loop and the wake-ups of both roles;
+  two per MoE layer at 1:1).
   On a host with fewer than three cores, AFD 1:2 (gate on Attention) at batch 1 too: three
   engines on the cores, its stretch over the model's unshared step gives
   ``oversubscription_cost`` (afd-plan's time sharing; ``host_cores`` is this host's CPUs).
