@@ -20,6 +20,7 @@ from afd_models.demo.bench import (
     QuantizedSetup,
     TPOTRow,
     TrafficRow,
+    bench_prompts,
     compare,
     quantized_rows,
     render,
@@ -29,6 +30,7 @@ from afd_models.demo.bench import (
     traffic_row,
 )
 from afd_models.demo.servers import SPLIT_EVERY_STEP_ARGS, FFNStats, QuantReport
+from afd_models.demo.tiny import DEMO_PROMPTS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_fake_servers import FakeServer, MetricsText
@@ -700,3 +702,14 @@ def test_run_bench_measures_two_stages_against_one_at_batches_of_two_or_more(
         ("wide", 4, 4.0, 0.5, True),
         ("wide", 16, 4.0, 0.5, True),
     ]
+
+
+def test_bench_prompts_are_distinct_and_start_with_the_demo_prompts() -> None:
+    prompts = bench_prompts(16)
+    assert len(prompts) == 16
+    assert len(set(prompts)) == 16
+    assert prompts[: len(DEMO_PROMPTS)] == DEMO_PROMPTS
+    assert prompts[len(DEMO_PROMPTS)] == f"{DEMO_PROMPTS[0]} (1)"
+    assert bench_prompts(1) == DEMO_PROMPTS[:1]
+    with pytest.raises(ValueError, match="batch: 0"):
+        bench_prompts(0)
