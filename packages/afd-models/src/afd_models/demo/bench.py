@@ -36,7 +36,8 @@ profile (:mod:`afd_models.demo.bench_plan`): the result's ``"plan"``, printed la
 TPOT of one request is ``(t_last - t_first) / (max_tokens - 1)`` over its streamed chunks (the
 decode phase only: prefill is before the first chunk); ``batch`` requests start together and run
 ``max_tokens`` tokens each (``ignore_eos``), so the engine decodes a batch of ``batch``
-throughout; no two requests of a batch share a prompt (:func:`bench_prompts`). Each row is the median over its requests and repeats, after one warm-up batch;
+throughout; no two requests of a batch share a prompt (:func:`bench_prompts`). Each row is the
+median over its requests and repeats, after one warm-up batch;
 with :attr:`BenchConfig.starts` > 1 every deployment is started that many times, in rounds
 (each round starts every deployment once, :func:`run_deployments`), and the row is the median
 of the per-start medians (each kept as ``start_tpot_ms``).
