@@ -17,7 +17,7 @@ roofline afd-plan prices the same bytes and FLOPs at: ``t_mem + t_flop`` (the pr
 
 What it showed on the 2-vCPU test VM (README, "Kernel costs against the model"): the expert
 kernel costs the same per expert hit at 1 to 16 tokens (its arithmetic hides behind the weight
-reads), the projections behave closer to the sum.
+reads); the projections sit between the sum and the max.
 
 Usage: ``python bench_kernels.py --out results.json [--hardware PROFILE] [--repeats N]``
 """
