@@ -8,8 +8,11 @@ fails on both sides. ``model_identity`` (what the served checkpoint is, e.g. its
 weight files, see ``afd_runtime.identity``) is compared across every rank of both roles and named
 down to the first differing leaf in sorted key order (``model_identity.config.hidden_act``,
 ``model_identity.weights['model.safetensors'].samples``); a key one side lacks reads as
-``None``. ``role_agreement`` (e.g. the FFN ranks' quantization geometry) is compared only
-between ranks of the same role (``role_agreement.<key>``).
+``None``. Layers: the target model's (``num_layers - num_draft_layers``) match everywhere; the
+draft (speculative) layers match within a role, and across roles an Attention rank that drafts
+needs FFN ranks serving the same draft layers (:func:`_compare_layers`). ``role_agreement``
+(e.g. the FFN ranks' quantization geometry) is compared only between ranks of the same role
+(``role_agreement.<key>``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,36 @@ def _first_difference(path: str, mine: Any, theirs: Any) -> tuple[str, Any, Any]
     return None if mine == theirs else (path, mine, theirs)
 
 
+DRAFT_LAYERS_HINT = (
+    "the Attention role decodes speculatively through draft (MTP) layers that the FFN role does "
+    "not serve: the checkpoint declares them (num_nextn_predict_layers) but ships no weights for "
+    "them, so the FFN role serves without them; start the Attention role without "
+    "--speculative-config, or serve a checkpoint that holds the MTP layers' weights"
+)
+
+
+def _compare_layers(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer: int) -> None:
+    """The target model's layers must be the same on every rank; the draft (speculative) layers
+    the same within a role, and an Attention rank may send only draft layers the FFN ranks
+    serve (an FFN serves a checkpoint's draft layers whether or not the Attention role drafts;
+    an Attention role without a drafter declares none)."""
+    my_draft, their_draft = mine["num_draft_layers"], theirs.get("num_draft_layers", 0)
+    my_target = mine["num_layers"] - my_draft
+    their_target = (theirs.get("num_layers") or 0) - their_draft
+    if my_target != their_target:
+        raise AFDHandshakeError("num_layers", my_target, their_target, peer)
+    if my_draft == their_draft:
+        return
+    across_roles = mine["role"] != theirs.get("role")
+    attention, ffn = (
+        (my_draft, their_draft) if mine["role"] == "attention" else (their_draft, my_draft)
+    )
+    if across_roles and attention == 0:
+        return  # the Attention role does not draft: the FFN's draft layers go unused
+    hint = DRAFT_LAYERS_HINT if across_roles and ffn < attention else None
+    raise AFDHandshakeError("num_draft_layers", my_draft, their_draft, peer, hint=hint)
+
+
 def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer: int) -> None:
     """Raise :class:`AFDHandshakeError` on the first field where world rank ``peer`` differs."""
     # Protocol version first: other fields may not be comparable across versions.
@@ -98,11 +131,11 @@ def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer:
     for key, value in mine["config"].items():
         if their_config.get(key) != value:
             raise AFDHandshakeError(f"config.{key}", value, their_config.get(key), peer)
+    _compare_layers(mine, theirs, peer)
     for key in (
         "config_hash",
         "hidden_size",
         "dtype",
-        "num_layers",
         "topology",
         "payload_spec",
         "device_type",
