@@ -4,6 +4,7 @@ limit (a change outside the sampled windows) pinned."""
 
 from __future__ import annotations
 
+import copy
 import json
 import shutil
 import struct
@@ -240,3 +241,19 @@ def test_dummy_weights_and_an_uncached_repository(tmp_path: Path) -> None:
     assert dummy["weights"] == {"load_format": "dummy"}
     remote = model_identity(vllm_config("afd-test/not-a-cached-repo", CONFIG))
     assert remote["weights"] == {"unresolved": "afd-test/not-a-cached-repo@None"}
+
+
+def test_the_config_taken_before_the_build_survives_what_the_build_rewrites(
+    tmp_path: Path,
+) -> None:
+    """vLLM's DeepSeek attention rewrites the yarn ``rope_type`` it reads to ``deepseek_yarn``;
+    only the Attention role builds attention. The roles take the config section before their
+    build, so both publish the checkpoint's config; the weights are looked up after the load."""
+    a, _ = checkpoint(tmp_path)
+    hf_config = {**CONFIG, "rope_scaling": {"type": "yarn", "rope_type": "yarn", "factor": 40}}
+    attention, ffn = vllm_config(a, copy.deepcopy(hf_config)), vllm_config(a, hf_config)
+    taken = config_identity(attention.model_config.hf_config)
+    attention.model_config.hf_config["rope_scaling"]["rope_type"] = "deepseek_yarn"  # the build
+    assert model_identity(attention, taken) == model_identity(ffn)
+    found = difference(model_identity(attention), model_identity(ffn))
+    assert found is not None and found[0] == "model_identity.config.rope_scaling.rope_type"

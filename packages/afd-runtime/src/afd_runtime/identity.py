@@ -15,7 +15,10 @@ keys): ``model_identity.config.num_experts``, ``model_identity.weights['model.sa
 
 Rules (both roles must compute the same value from identical files anywhere on disk):
 
-* **config**: ``hf_config.to_dict()`` (overrides such as ``--hf-overrides`` included), nested
+* **config**: ``hf_config.to_dict()`` (overrides such as ``--hf-overrides`` included), taken
+  before the model is built (vLLM's model classes rewrite keys they read, e.g. DeepSeek's yarn
+  ``rope_type`` becomes ``deepseek_yarn`` in its attention layers, which only the Attention role
+  builds), nested
   configs descended, without :data:`EXCLUDED_CONFIG_KEYS` at any level (paths, versions, the
   attention implementation, and ``torch_dtype``/``dtype``: vLLM's ``--dtype`` governs the serving
   dtype, which the handshake compares separately as ``dtype``; the stored dtypes are in the
@@ -200,11 +203,14 @@ def _checkpoint_location(model: str, revision: str | None, download_dir: str | N
     return Path(folder)
 
 
-def model_identity(vllm_config: Any) -> dict[str, Any]:
+def model_identity(vllm_config: Any, config: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The identity of the model ``vllm_config`` serves (see the module docstring); what each
-    role passes to ``build_connector`` as ``model_identity``."""
+    role passes to ``build_connector`` as ``model_identity``. ``config``: the config section
+    taken earlier (:func:`config_identity` before the model was built); the weight files are
+    looked up now (after the load, they are on disk)."""
     model_config = vllm_config.model_config
-    identity: dict[str, Any] = {"config": config_identity(model_config.hf_config)}
+    section = config_identity(model_config.hf_config) if config is None else dict(config)
+    identity: dict[str, Any] = {"config": section}
     load_config = getattr(vllm_config, "load_config", None)
     load_format = str(getattr(load_config, "load_format", "auto") or "auto")
     if load_format == "dummy":

@@ -48,7 +48,7 @@ from afd_runtime.attention_link import AFDFFNUnavailableError, AttentionLink
 from afd_runtime.compute import AFDFFNModel, select_ffn_compute
 from afd_runtime.faults import raise_if_injected
 from afd_runtime.ffn_service import FFNService
-from afd_runtime.identity import model_identity
+from afd_runtime.identity import config_identity, model_identity
 from afd_runtime.metrics import (
     RoleMetrics,
     adopt_multiprocess_values,
@@ -315,11 +315,16 @@ class AFDAttentionWorkerMixin:
         adopt_multiprocess_values()  # this engine core's afd_* values reach /metrics
         metrics = RoleMetrics(AFDRole.ATTENTION.value, rank)
         metrics.phase("load")
+        config = config_identity(self.vllm_config.model_config.hf_config)  # see the FFN role's
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         model = self.model_runner.get_model()
         metrics.phase("loaded")
-        draft = tuple(getattr(model, "afd_draft_layer_indices", ()))
-        drafter = _afd_drafter_model(self.model_runner, draft)
+        drafter = _afd_drafter_model(
+            self.model_runner, tuple(getattr(model, "afd_draft_layer_indices", ()))
+        )
+        # Only a drafter sends the checkpoint's draft layers: without one the Attention role
+        # declares none, and the FFN role may serve them or not (the checkpoint may not ship them).
+        draft = () if drafter is None else tuple(drafter.afd_draft_layer_indices)
         report_param_bytes(metrics, model, drafter)
         spec = getattr(model, "afd_payload_spec", None)
         layers = getattr(model, "afd_moe_layer_indices", None)
@@ -336,7 +341,7 @@ class AFDAttentionWorkerMixin:
             spec,
             tuple(layers) + draft,
             _worker_device(self),
-            model_identity=model_identity(self.vllm_config),
+            model_identity=model_identity(self.vllm_config, config),
             draft_layers=draft,
         )
         instrument_attention_connector(connector, metrics)
@@ -422,6 +427,10 @@ class AFDFFNWorkerMixin:
         adopt_multiprocess_values()  # this engine core's afd_* values reach /metrics
         metrics = RoleMetrics(AFDRole.FFN.value, rank)
         metrics.phase("load")
+        # The config before the model build: vLLM's attention layers rewrite parts of the config
+        # they read (DeepSeek's yarn rope_type becomes 'deepseek_yarn'), which the FFN role
+        # never builds; the weight files after the load (a hub checkpoint is downloaded by it).
+        config = config_identity(self.vllm_config.model_config.hf_config)
         super().load_model(*args, **kwargs)  # type: ignore[misc]
         raise_if_injected("ffn_load", f"AFD FFN rank {rank} model load")
         model = self.model_runner.get_model()
@@ -455,7 +464,7 @@ class AFDFFNWorkerMixin:
         if isinstance(compute, QuantizedFFNCompute):
             compute.report()
             agreement = compute.role_agreement()
-        identity = model_identity(self.vllm_config)
+        identity = model_identity(self.vllm_config, config)
         self._afd_config = cfg
         self._afd_service = FFNService(
             cfg,
