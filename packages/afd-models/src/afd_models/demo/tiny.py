@@ -26,7 +26,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal, get_args
@@ -54,7 +54,7 @@ WIDE_QWEN3_MOE: Final[dict[str, int]] = {
 }
 
 #: Bump when anything that changes the produced bytes changes (layout, init, corpus handling).
-GENERATOR_VERSION: Final[int] = 1
+GENERATOR_VERSION: Final[int] = 2
 
 #: Name suffix and spread of DeepSeek-V3's ``noaux_tc`` routing bias (tiny ``deepseek_v3`` only).
 CORRECTION_BIAS_SUFFIX: Final[str] = "mlp.gate.e_score_correction_bias"
@@ -256,79 +256,108 @@ def _deepseek_v3_config(common: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the checkpoint, by its Hugging Face name, with its shape."""
+def _moe_layer(config: dict[str, Any], layer: int) -> bool:
+    """vLLM's rule for a sparse-MoE decoder layer of ``config`` (a draft layer is one too)."""
+    if config["model_type"] == "qwen3_moe":
+        step = int(config.get("decoder_sparse_step") or 1)
+        mlp_only = config.get("mlp_only_layers") or []
+        return layer not in mlp_only and int(config["num_experts"]) > 0 and (layer + 1) % step == 0
+    freq = int(config.get("moe_layer_freq") or 1)
+    return layer >= int(config["first_k_dense_replace"]) and layer % freq == 0
+
+
+def _attention_shapes(config: dict[str, Any], p: str) -> dict[str, tuple[int, ...]]:
+    """One decoder layer's attention tensors: MLA (DeepSeek: ``kv_lora_rank`` set) or grouped-
+    query attention (Qwen3-MoE, GLM-4.5: biases with ``attention_bias``, q/k norms for Qwen3-MoE
+    and with GLM's ``use_qk_norm``)."""
+    h = int(config["hidden_size"])
+    n_heads = int(config["num_attention_heads"])
+    shapes: dict[str, tuple[int, ...]] = {}
+    if config.get("kv_lora_rank") is None:
+        hd = int(config["head_dim"])
+        n_kv = int(config["num_key_value_heads"])
+        rows = {"q": n_heads * hd, "k": n_kv * hd, "v": n_kv * hd}
+        for x, n in rows.items():
+            shapes[p + f"self_attn.{x}_proj.weight"] = (n, h)
+            if config.get("attention_bias"):
+                shapes[p + f"self_attn.{x}_proj.bias"] = (n,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, n_heads * hd)
+        if config["model_type"] == "qwen3_moe" or config.get("use_qk_norm"):
+            shapes[p + "self_attn.q_norm.weight"] = (hd,)
+            shapes[p + "self_attn.k_norm.weight"] = (hd,)
+        return shapes
+    nope = int(config["qk_nope_head_dim"])
+    rope = int(config["qk_rope_head_dim"])
+    vh = int(config["v_head_dim"])
+    kv_rank = int(config["kv_lora_rank"])
+    q_rank = config.get("q_lora_rank")
+    if q_rank:
+        shapes[p + "self_attn.q_a_proj.weight"] = (int(q_rank), h)
+        shapes[p + "self_attn.q_a_layernorm.weight"] = (int(q_rank),)
+        shapes[p + "self_attn.q_b_proj.weight"] = (n_heads * (nope + rope), int(q_rank))
+    else:
+        shapes[p + "self_attn.q_proj.weight"] = (n_heads * (nope + rope), h)
+    shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (kv_rank + rope, h)
+    shapes[p + "self_attn.kv_a_layernorm.weight"] = (kv_rank,)
+    shapes[p + "self_attn.kv_b_proj.weight"] = (n_heads * (nope + vh), kv_rank)
+    shapes[p + "self_attn.o_proj.weight"] = (h, n_heads * vh)
+    return shapes
+
+
+def tensor_shapes(
+    config: dict[str, Any], *, draft_weights: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the checkpoint, by its Hugging Face name, with its shape.
+
+    ``draft_weights=False``: none of the draft (MTP) layers that ``num_nextn_predict_layers``
+    declares, as transformers and many published derivatives save DeepSeek-V3 checkpoints.
+    """
     h = int(config["hidden_size"])
     v = int(config["vocab_size"])
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (v, h),
         "model.norm.weight": (h,),
-        "lm_head.weight": (v, h),
     }
+    if not config.get("tie_word_embeddings"):
+        shapes["lm_head.weight"] = (v, h)
     family = config["model_type"]
     n_experts = int(config["num_experts"] if family == "qwen3_moe" else config["n_routed_experts"])
     moe_i = int(config["moe_intermediate_size"])
     dense_i = int(config["intermediate_size"])
-    n_heads = int(config["num_attention_heads"])
     num_hidden = int(config["num_hidden_layers"])
-    mtp = int(config.get("num_nextn_predict_layers", 0) or 0)
+    mtp = int(config.get("num_nextn_predict_layers", 0) or 0) if draft_weights else 0
     for layer in range(num_hidden, num_hidden + mtp):
         # DeepSeek's MTP layer: its own input norms, the projection of [embedding; hidden],
-        # a shared head (norm + LM head), then a decoder layer (added by the loop below).
+        # a shared head (norm + LM head), a copy of the token embedding (as DeepSeek-V3 and
+        # GLM-4.5 ship it), then a decoder layer (added by the loop below).
         p = f"model.layers.{layer}."
         shapes[p + "enorm.weight"] = (h,)
         shapes[p + "hnorm.weight"] = (h,)
         shapes[p + "eh_proj.weight"] = (h, 2 * h)
         shapes[p + "shared_head.norm.weight"] = (h,)
         shapes[p + "shared_head.head.weight"] = (v, h)
+        shapes[p + "embed_tokens.weight"] = (v, h)  # a copy of the model's (make_tensor)
     for layer in range(num_hidden + mtp):
         p = f"model.layers.{layer}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if family == "qwen3_moe":
-            hd = int(config["head_dim"])
-            n_kv = int(config["num_key_value_heads"])
-            shapes[p + "self_attn.q_proj.weight"] = (n_heads * hd, h)
-            shapes[p + "self_attn.k_proj.weight"] = (n_kv * hd, h)
-            shapes[p + "self_attn.v_proj.weight"] = (n_kv * hd, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, n_heads * hd)
-            shapes[p + "self_attn.q_norm.weight"] = (hd,)
-            shapes[p + "self_attn.k_norm.weight"] = (hd,)
-            is_moe = True
-            n_shared = 0
-        else:
-            nope = int(config["qk_nope_head_dim"])
-            rope = int(config["qk_rope_head_dim"])
-            vh = int(config["v_head_dim"])
-            kv_rank = int(config["kv_lora_rank"])
-            q_rank = config.get("q_lora_rank")
-            if q_rank:
-                shapes[p + "self_attn.q_a_proj.weight"] = (int(q_rank), h)
-                shapes[p + "self_attn.q_a_layernorm.weight"] = (int(q_rank),)
-                shapes[p + "self_attn.q_b_proj.weight"] = (n_heads * (nope + rope), int(q_rank))
-            else:
-                shapes[p + "self_attn.q_proj.weight"] = (n_heads * (nope + rope), h)
-            shapes[p + "self_attn.kv_a_proj_with_mqa.weight"] = (kv_rank + rope, h)
-            shapes[p + "self_attn.kv_a_layernorm.weight"] = (kv_rank,)
-            shapes[p + "self_attn.kv_b_proj.weight"] = (n_heads * (nope + vh), kv_rank)
-            shapes[p + "self_attn.o_proj.weight"] = (h, n_heads * vh)
-            is_moe = layer >= int(config["first_k_dense_replace"])
-            n_shared = int(config["n_shared_experts"])
-        if not is_moe:
+        shapes.update(_attention_shapes(config, p))
+        if not _moe_layer(config, layer):
             shapes[p + "mlp.gate_proj.weight"] = (dense_i, h)
             shapes[p + "mlp.up_proj.weight"] = (dense_i, h)
             shapes[p + "mlp.down_proj.weight"] = (h, dense_i)
             continue
         shapes[p + "mlp.gate.weight"] = (n_experts, h)
-        if config.get("topk_method") == "noaux_tc":
+        if config.get("topk_method") == "noaux_tc" or family == "glm4_moe":
             shapes[p + CORRECTION_BIAS_SUFFIX] = (n_experts,)
         for e in range(n_experts):
             q = f"{p}mlp.experts.{e}."
             shapes[q + "gate_proj.weight"] = (moe_i, h)
             shapes[q + "up_proj.weight"] = (moe_i, h)
             shapes[q + "down_proj.weight"] = (h, moe_i)
-        if n_shared:
-            si = moe_i * n_shared
+        si = moe_i * int(config.get("n_shared_experts") or 0)
+        si = si or int(config.get("shared_expert_intermediate_size") or 0)
+        if si:
             shapes[p + "mlp.shared_experts.gate_proj.weight"] = (si, h)
             shapes[p + "mlp.shared_experts.up_proj.weight"] = (si, h)
             shapes[p + "mlp.shared_experts.down_proj.weight"] = (h, si)
@@ -347,6 +376,8 @@ def make_tensor(seed: int, name: str, shape: tuple[int, ...], dtype: TinyDType) 
     DeepSeek-V3's ``e_score_correction_bias`` is float32 N(0, CORRECTION_BIAS_STD**2).
     """
     torch_dtype = torch.float32 if dtype == "float32" else torch.bfloat16
+    if name.endswith(".embed_tokens.weight"):
+        name = "model.embed_tokens.weight"  # an MTP layer's copy of the token embedding
     gen = torch.Generator().manual_seed(_tensor_seed(seed, name))
     if name.endswith(CORRECTION_BIAS_SUFFIX):
         # Float32 as in DeepSeek-V3's checkpoints; large enough against sigmoid scores in (0, 1)
@@ -414,23 +445,34 @@ def _special_ids(tokenizer_json: str) -> dict[str, int]:
 
 def _iter_files(spec: TinySpec) -> Iterator[tuple[str, bytes]]:
     """Yield ``(file name, bytes)`` for every file of the checkpoint, deterministically."""
+    tokenizer_json = build_tokenizer_json()
+    config = model_config(spec, _vocab_size(tokenizer_json))
+    yield from checkpoint_files(config, tokenizer_json, spec.seed, spec.dtype)
+
+
+def checkpoint_files(
+    config: dict[str, Any],
+    tokenizer_json: str,
+    seed: int,
+    dtype: TinyDType,
+    *,
+    draft_weights: bool = True,
+) -> Iterator[tuple[str, bytes]]:
+    """Yield ``(file name, bytes)`` of a checkpoint of ``config`` (the token ids it states set to
+    the tokenizer's special tokens), the tokenizer and random weights of ``seed`` in ``dtype`` (see
+    :func:`tensor_shapes` for ``draft_weights``), deterministically."""
     from safetensors.torch import save
 
-    tokenizer_json = build_tokenizer_json()
     specials = _special_ids(tokenizer_json)
-    config = model_config(spec, _vocab_size(tokenizer_json))
-    config["bos_token_id"] = specials[BOS_TOKEN]
-    config["eos_token_id"] = specials[EOS_TOKEN]
-    config["pad_token_id"] = specials[PAD_TOKEN]
-    shapes = tensor_shapes(config)
-    tensors = {n: make_tensor(spec.seed, n, shapes[n], spec.dtype) for n in sorted(shapes)}
+    token_ids = {"bos_token_id": BOS_TOKEN, "eos_token_id": EOS_TOKEN, "pad_token_id": PAD_TOKEN}
+    config = dict(config)
+    for key, token in token_ids.items():
+        if key in config:
+            config[key] = specials[token]
+    shapes = tensor_shapes(config, draft_weights=draft_weights)
+    tensors = {n: make_tensor(seed, n, shapes[n], dtype) for n in sorted(shapes)}
     yield "config.json", _dump_json(config).encode()
-    generation = {
-        "bos_token_id": config["bos_token_id"],
-        "eos_token_id": config["eos_token_id"],
-        "pad_token_id": config["pad_token_id"],
-        "do_sample": False,
-    }
+    generation = {key: config[key] for key in token_ids if key in config} | {"do_sample": False}
     yield "generation_config.json", _dump_json(generation).encode()
     yield "tokenizer.json", tokenizer_json.encode()
     yield "tokenizer_config.json", _dump_json(_tokenizer_config()).encode()
@@ -482,21 +524,32 @@ def default_cache_dir() -> Path:
 def ensure_tiny_checkpoint(spec: TinySpec | None = None, cache_dir: Path | None = None) -> Path:
     """Return the cached checkpoint directory for ``spec``, building it on first use.
 
-    The directory is ``<cache_dir>/<family>-s<seed>-<dtype>-<hash>``; it is written to a temporary
-    sibling and renamed into place, so concurrent callers either see a complete checkpoint or
-    build their own copy (the loser's copy is discarded).
+    The directory is ``<cache_dir>/<family>-s<seed>-<dtype>-<hash>`` (see
+    :func:`ensure_cached_checkpoint`).
     """
     spec = spec or TinySpec()
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     width = "" if spec.width == "tiny" else f"-{spec.width}"
     width += f"-mtp{spec.mtp_layers}" if spec.mtp_layers else ""
-    target = root / f"{spec.family}{width}-s{spec.seed}-{spec.dtype}-{spec_hash(spec)}"
+    name = f"{spec.family}{width}-s{spec.seed}-{spec.dtype}-{spec_hash(spec)}"
+    return ensure_cached_checkpoint(root / name, lambda: _iter_files(spec))
+
+
+def ensure_cached_checkpoint(
+    target: Path, files: Callable[[], Iterable[tuple[str, bytes]]]
+) -> Path:
+    """``target`` holding the checkpoint ``files()`` yields, written on first use.
+
+    The files are written to a temporary sibling and renamed into place, so concurrent callers
+    either see a complete checkpoint or build their own copy (the loser's copy is discarded).
+    """
     if (target / "config.json").is_file():
         return target
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=root))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        write_tiny_checkpoint(spec, tmp)
+        for name, data in files():
+            (tmp / name).write_bytes(data)
         tmp.chmod(0o755)
         try:
             tmp.rename(target)
