@@ -28,6 +28,7 @@ from afd_core.config import AFDConfig, AFDRole
 from afd_core.connector import AFDConnectorBase, AFDTransferHandle
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.testing import free_port
+from afd_models.demo.published import PublishedSpec, ensure_published_checkpoint
 from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 from afd_runtime.roles import model_param_bytes
 
@@ -489,3 +490,24 @@ def test_quantized_ffn_layer_is_within_tolerance_of_the_plain_layer(
         ffn.afd_quantized_weights.geometry.num_experts // 2
     ] * 2
     assert sum(h.afd_quantized_weights.nbytes() for h in halves) == total
+
+
+@pytest.mark.parametrize("draft_weights", [False, True])
+@pytest.mark.parametrize("gate_on_attention", [False, True])
+def test_ffn_role_serves_a_declared_mtp_layer_only_when_its_weights_ship(
+    vllm_env: None, draft_weights: bool, gate_on_attention: bool
+) -> None:
+    """DeepSeek-V3's published config declares one MTP layer; transformers and many derivatives
+    ship none of its tensors. The FFN role then loads (the gate-on-Attention placement used to
+    die on the absent layer's routing bias) and serves the target's MoE layers only; with the
+    weights it serves the MTP layer's experts too."""
+    root = Path(os.environ.get("AFD_TINY_CACHE", "/tmp/afd-tiny-cache-tests"))
+    spec = PublishedSpec("deepseek-v3", dequantized=True, draft_weights=draft_weights)
+    path = ensure_published_checkpoint(spec, root)
+    afd = {"role": "ffn", "port": 1, "compute_gate_on_attention": gate_on_attention}
+    _, ffn = _load(path, afd, dtype="float32")
+    mtp = 4  # the scaled config's num_hidden_layers
+    assert ffn.afd_draft_layer_indices == ((mtp,) if draft_weights else ())
+    assert ffn.afd_moe_layer_indices == (1, 2, 3, *((mtp,) if draft_weights else ()))
+    held = {name for name, _ in ffn.named_parameters() if name.startswith(f"model.layers.{mtp}.")}
+    assert bool(held) == draft_weights, held

@@ -25,6 +25,7 @@ exist on the Attention role.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar
 
@@ -36,7 +37,7 @@ from afd_core.topology import AFDTopology
 from afd_weights import QuantScheme, param_bytes
 from torch import nn
 
-from afd_models._weight_utils import Classifier, FilterStats, filter_role_weights
+from afd_models._weight_utils import Classifier, FilterStats, filter_role_weights, layer_index
 from afd_models.models import _remote_op as _remote_op  # registers afd::remote_ffn
 from afd_models.models._quantized import (
     float_moe,
@@ -45,6 +46,8 @@ from afd_models.models._quantized import (
     report_error_requested,
     route,
 )
+
+logger = logging.getLogger(__name__)
 
 
 def afd_config_of(vllm_config: Any) -> AFDConfig | None:
@@ -347,6 +350,13 @@ class AFDFFNCausalLM(nn.Module):
             for i in range(num_layers)
         ]
         self.model = _FFNDecoder(layers)
+        # vLLM registers each FusedMoE here by prefix; a dropped draft layer leaves no entry.
+        from vllm.config import get_current_vllm_config_or_none
+
+        current = get_current_vllm_config_or_none()
+        self._static_forward_context: dict[str, Any] = (
+            {} if current is None else current.compilation_config.static_forward_context
+        )
         self._classify = classify
         self._mapper = weights_mapper
         self.afd_filter_stats = FilterStats()
@@ -381,6 +391,7 @@ class AFDFFNCausalLM(nn.Module):
         )
         loader = AutoWeightsLoader(self)
         loaded = set(loader.load_weights(kept, mapper=self._mapper))
+        self._drop_unshipped_draft_layers(loaded)
         if self._quant is not None:
             # Before vLLM's post-load processing (which would repack the float experts).
             blocks = {
@@ -394,6 +405,37 @@ class AFDFFNCausalLM(nn.Module):
             return loaded
         self.afd_param_bytes = param_bytes(self)  # before vLLM's post-load repacking
         return loaded
+
+    def _drop_unshipped_draft_layers(self, loaded: set[str]) -> None:
+        """Serve a draft (MTP) layer only when the checkpoint shipped its weights.
+
+        Published checkpoints often declare a draft layer in their config
+        (``num_nextn_predict_layers``) and ship none of its tensors (transformers saves none;
+        quantized and fine-tuned derivatives drop them). Plain vLLM then serves the target model
+        alone; here such a layer is removed (its modules, and its layer index from the served
+        ones), so the connector handshake tells an Attention role that drafts through it that
+        this FFN does not serve it. A layer with any loaded tensor is kept whole."""
+        absent = [
+            i
+            for i in self.afd_draft_layer_indices
+            if not any(layer_index(name) == i for name in loaded)
+        ]
+        if not absent:
+            return
+        for i in absent:
+            self.model.layers[i] = _FFNLayer(None)
+            prefix = f"model.layers.{i}."
+            for key in [k for k in self._static_forward_context if prefix in k]:
+                del self._static_forward_context[key]
+        self.afd_draft_layer_indices = tuple(
+            i for i in self.afd_draft_layer_indices if i not in absent
+        )
+        self.afd_moe_layer_indices = tuple(i for i in self.afd_moe_layer_indices if i not in absent)
+        logger.warning(
+            "AFD FFN: the checkpoint ships no weights for its draft (MTP) layer(s) %s; serving "
+            "the target model's layers only (an Attention role drafting through them is refused)",
+            absent,
+        )
 
     def afd_reference_output(
         self,
