@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -446,6 +447,39 @@ def test_tiny_subcommand_prints_cached_path(
     path = Path(capsys.readouterr().out.strip())
     assert path.parent == tmp_path
     assert (path / "config.json").is_file()
+
+
+def test_tiny_published_writes_the_published_config_without_its_mtp_weights(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("safetensors")
+    argv = ["tiny", "--published", "deepseek-v3", "--dequantized", "--no-mtp-weights"]
+    assert cli.main([*argv, "--cache-dir", str(tmp_path)]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    config = json.loads((path / "config.json").read_text())
+    assert config["num_nextn_predict_layers"] == 1 and "quantization_config" not in config
+    from safetensors import safe_open
+
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    layers = {int(k.split(".")[2]) for k in names if k.startswith("model.layers.")}
+    assert layers == set(range(config["num_hidden_layers"]))  # no MTP layer written
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--published", "nope"], "allowed: ["),
+        (["--no-mtp-weights"], "need --published KEY"),
+    ],
+)
+def test_tiny_published_flags_are_checked(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        cli.main(["tiny", *argv])
+    assert info.value.code == 2
+    assert message in capsys.readouterr().err
 
 
 def test_console_script_is_declared() -> None:

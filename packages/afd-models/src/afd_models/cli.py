@@ -325,6 +325,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="DeepSeek-V3 multi-token-prediction layers (speculative decoding with deepseek_mtp)",
     )
+    tiny.add_argument(
+        "--published",
+        metavar="KEY",
+        default=None,
+        help="instead of --family: a published model's config.json with only its sizes scaled "
+        "(keys: afd_models/demo/published/*.config.json, e.g. qwen3-30b-a3b, glm-4.7)",
+    )
+    tiny.add_argument(
+        "--no-mtp-weights",
+        action="store_true",
+        help="with --published: keep a declared MTP layer but write none of its weights",
+    )
+    tiny.add_argument(
+        "--dequantized",
+        action="store_true",
+        help="with --published: drop the config's quantization_config (as BF16 conversions do)",
+    )
     tiny.add_argument("--cache-dir", type=Path, default=None)
     return parser
 
@@ -622,16 +639,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if args[:1] == ["serve"]:
         # `afd serve ...` is `vllm serve ...`, usable where the stock `vllm` script is broken.
-        from afd_core.errors import AFDConfigError
+        from afd_core.errors import AFDConfigError, AFDModelError
 
         from afd_models.vllm_cli import run_vllm_cli
 
         try:
             run_vllm_cli(args)
-        except AFDConfigError as e:
-            # Raised before any engine starts: bad --additional-config JSON or AFD mapping
-            # (checked before vLLM is imported), or a setting the AFD config patch refuses when
-            # vLLM builds its config in this process (e.g. --data-parallel-size mismatch).
+        except (AFDConfigError, AFDModelError) as e:
+            # Raised before any engine starts: bad --additional-config JSON or AFD mapping, a
+            # local checkpoint AFD does not serve (checked before vLLM is imported), or a
+            # setting or checkpoint the AFD config patch refuses when vLLM builds its config in
+            # this process (e.g. --data-parallel-size mismatch).
             print(f"afd serve: error: {e}", file=sys.stderr, flush=True)
             return EXIT_USAGE
         return EXIT_OK
@@ -652,15 +670,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench(parser, ns)
     if ns.command == "plan":
         return run_plan(parser, ns)
+    print(_tiny(parser, ns))
+    return EXIT_OK
+
+
+def _tiny(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Path:
+    from afd_models.demo.published import PublishedSpec, ensure_published_checkpoint
     from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 
+    if ns.published is None:
+        if ns.no_mtp_weights or ns.dequantized:
+            parser.error("afd tiny: --no-mtp-weights and --dequantized need --published KEY")
+        try:
+            spec = TinySpec(
+                family=ns.family, seed=ns.seed, width=ns.width, mtp_layers=ns.mtp_layers
+            )
+        except ValueError as e:
+            parser.error(f"afd tiny: {e}")
+        return ensure_tiny_checkpoint(spec, ns.cache_dir)
     try:
-        spec = TinySpec(family=ns.family, seed=ns.seed, width=ns.width, mtp_layers=ns.mtp_layers)
+        published = PublishedSpec(
+            ns.published,
+            draft_weights=not ns.no_mtp_weights,
+            dequantized=ns.dequantized,
+            seed=ns.seed,
+        )
     except ValueError as e:
-        parser.error(f"afd tiny: {e}")
-    path = ensure_tiny_checkpoint(spec, ns.cache_dir)
-    print(path)
-    return EXIT_OK
+        parser.error(f"afd tiny --published: {e}")
+    return ensure_published_checkpoint(published, ns.cache_dir)
 
 
 if __name__ == "__main__":

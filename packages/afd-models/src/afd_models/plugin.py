@@ -9,7 +9,9 @@ time. What it does (once per process):
    engine loop); both are no-ops without ``additional_config["afd"]``;
 3. registers the AFD model classes under the upstream architecture names
    (:data:`MODEL_REGISTRATIONS`). Without ``additional_config["afd"]`` those classes construct
-   exactly the upstream model.
+   exactly the upstream model;
+4. registers :func:`afd_models.checkpoint_support.check_checkpoint`, which refuses a checkpoint
+   AFD does not serve before any AFD engine starts.
 
 Without vLLM installed it does nothing.
 """
@@ -27,6 +29,8 @@ MODEL_REGISTRATIONS: Final[dict[str, str]] = {
     "DeepSeekMTPModel": "afd_models.models.deepseek_v2:AFDDeepSeekMTP",
     "Qwen3_5MoeForCausalLM": "afd_models.models.qwen3_5_moe:AFDQwen3_5MoeForCausalLM",
     "DeepseekV4ForCausalLM": "afd_models.models.deepseek_v4:AFDDeepseekV4ForCausalLM",
+    "Glm4MoeForCausalLM": "afd_models.models.glm4_moe:AFDGlm4MoeForCausalLM",
+    "Glm4MoeMTPModel": "afd_models.models.glm4_moe:AFDGlm4MoeMTP",
 }
 
 _registered = False
@@ -45,10 +49,14 @@ def register() -> None:
     if importlib.util.find_spec("vllm") is None:
         _registered = True
         return
+    from afd_runtime.checkpoint_checks import register_checkpoint_check
     from afd_runtime.patches import apply_vllm_patches
     from vllm import ModelRegistry
 
+    from afd_models.checkpoint_support import check_checkpoint
+
     apply_vllm_patches()
+    register_checkpoint_check(check_checkpoint)
     for arch, target in MODEL_REGISTRATIONS.items():
         ModelRegistry.register_model(arch, target)
     _registered = True

