@@ -22,7 +22,7 @@ upstream's router dtype and the EPLB list upstream fills (``moe_mlp_layers``).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from afd_core.config import AFDRole
@@ -225,12 +225,14 @@ def build_ffn_block(vllm_config: VllmConfig, prefix: str, gate_on_attention: boo
     )
 
 
-class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM):
-    """``DeepseekV2ForCausalLM`` that builds only its role's half under AFD."""
+class DeepSeekLayoutMixin(AFDRoleModelMixin):
+    """The adapter top of models with DeepSeek's checkpoint layout (DeepSeek-V2/V3, GLM-4.5):
+    ``n_routed_experts``, the first layers dense, :func:`deepseek_classifier`, MTP draft layers
+    after the decoder layers (``num_nextn_predict_layers``), upstream's MoE block replaced by the
+    Attention-side stand-in :attr:`_afd_stand_in` while upstream's constructor runs."""
 
-    _afd_is_moe_layer = staticmethod(is_moe_layer)
-    _afd_build_ffn_block = staticmethod(build_ffn_block)
-    _afd_router_dtype = staticmethod(upstream._get_moe_router_dtype)
+    #: ``(module, name, class)``: the upstream MoE block the Attention role replaces.
+    _afd_stand_in: ClassVar[tuple[Any, str, type[nn.Module]]]
 
     @staticmethod
     def _afd_hf_config(vllm_config: Any) -> Any:
@@ -238,7 +240,44 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
 
     @staticmethod
     def _afd_num_experts(config: Any) -> int:
-        return config.n_routed_experts
+        return int(config.n_routed_experts)
+
+    @staticmethod
+    def _afd_classifier(
+        config: Any, gate_on_attention: bool, attention_routes: bool = False
+    ) -> Classifier:
+        return deepseek_classifier(gate_on_attention, config.num_hidden_layers, attention_routes)
+
+    @staticmethod
+    def _afd_num_draft_layers(config: Any) -> int:
+        # The MTP layers, served when the Attention role decodes speculatively through them
+        # (DeepSeek: method deepseek_mtp / mtp; GLM-4.5: mtp); 0 for DeepSeek-V2.
+        return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+
+    @staticmethod
+    def _afd_eplb_attributes(config: Any) -> dict[str, Any]:
+        # Upstream's constructor counted the MoE blocks (the stand-in reports no local
+        # experts); only its list of MoE layers is emptied.
+        return {"moe_mlp_layers": []}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
+        afd = afd_config_of(vllm_config)
+        if afd is None:
+            super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
+            self._afd_classify = None
+            return
+        with construction_override(*self._afd_stand_in):
+            super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
+        self._afd_init_attention_role(vllm_config, afd)
+
+
+class AFDDeepseekV2ForCausalLM(DeepSeekLayoutMixin, upstream.DeepseekV2ForCausalLM):
+    """``DeepseekV2ForCausalLM`` that builds only its role's half under AFD."""
+
+    _afd_stand_in = (upstream, "DeepseekV2MoE", AFDAttnDeepseekV2MoE)
+    _afd_is_moe_layer = staticmethod(is_moe_layer)
+    _afd_build_ffn_block = staticmethod(build_ffn_block)
+    _afd_router_dtype = staticmethod(upstream._get_moe_router_dtype)
 
     @staticmethod
     def _afd_router_kwargs(config: Any) -> dict[str, Any]:
@@ -259,34 +298,6 @@ class AFDDeepseekV2ForCausalLM(AFDRoleModelMixin, upstream.DeepseekV2ForCausalLM
     @staticmethod
     def _afd_uses_routing_bias(config: Any) -> bool:
         return _uses_correction_bias(config)
-
-    @staticmethod
-    def _afd_classifier(
-        config: Any, gate_on_attention: bool, attention_routes: bool = False
-    ) -> Classifier:
-        return deepseek_classifier(gate_on_attention, config.num_hidden_layers, attention_routes)
-
-    @staticmethod
-    def _afd_num_draft_layers(config: Any) -> int:
-        # DeepSeek-V3's MTP layers (0 for V2); served when the Attention role decodes
-        # speculatively with method deepseek_mtp / mtp.
-        return int(getattr(config, "num_nextn_predict_layers", 0) or 0)
-
-    @staticmethod
-    def _afd_eplb_attributes(config: Any) -> dict[str, Any]:
-        # Upstream's constructor counted the MoE blocks (AFDAttnDeepseekV2MoE reports no local
-        # experts); only its lists of MoE layers are emptied.
-        return {"moe_mlp_layers": []}
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        afd = afd_config_of(vllm_config)
-        if afd is None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            self._afd_classify = None
-            return
-        with construction_override(upstream, "DeepseekV2MoE", AFDAttnDeepseekV2MoE):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-        self._afd_init_attention_role(vllm_config, afd)
 
 
 class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):
