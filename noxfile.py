@@ -39,8 +39,6 @@ def _members() -> dict[str, Path]:
 PACKAGES = _members()
 #: Packages that import vLLM eagerly: their isolated env needs the CPU extra.
 VLLM_PACKAGES = ("afd-runtime", "afd-models")
-#: Packages tested a second time inside the full vLLM CPU environment.
-LOWER_PACKAGES = tuple(p for p in PACKAGES if p not in VLLM_PACKAGES)
 CPU_MARKERS = "not npu and not e2e and not faults and not load"
 
 
@@ -97,13 +95,6 @@ def tests(session: nox.Session, package: str) -> None:
             "sys.exit('vllm must not be installed here' if u.find_spec('vllm') else 0)",
         )
     _pytest(session, str(PACKAGES[package] / "tests"), "-m", CPU_MARKERS)
-
-
-@nox.session(python=PYTHON, tags=["cpu"])
-def tests_with_vllm(session: nox.Session) -> None:
-    """The packages below afd-runtime, tested again beside vLLM CPU (all packages installed)."""
-    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
-    _pytest(session, *(str(PACKAGES[p] / "tests") for p in LOWER_PACKAGES), "-m", CPU_MARKERS)
 
 
 @nox.session(python=PYTHON, tags=["cpu"])

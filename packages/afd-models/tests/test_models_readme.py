@@ -152,10 +152,12 @@ def _e2e_cases() -> set[str]:
     parity = _load(TESTS / "test_e2e_models_parity.py")
     quantized = _load(TESTS / "test_e2e_models_quantized.py")
     speculative = _load(TESTS / "test_e2e_models_speculative.py")
+    published = _load(TESTS / "test_e2e_models_published.py")
     names = {f"parity[{case.id}]" for case in parity.CASES}
     names |= {f"quantized[{family}]" for family in quantized.CASES}
     names |= {f"speculative[{case}]" for case in speculative.CASES}
-    expected = len(parity.CASES) + len(quantized.CASES) + len(speculative.CASES)
+    names |= {f"published[{case.id}]" for case in published.CASES}
+    expected = sum(len(m.CASES) for m in (parity, quantized, speculative, published))
     assert len(names) == expected, "duplicate case ids"
     return names
 
