@@ -10,6 +10,8 @@ every role must stop cleanly on SIGTERM.
 * DeepSeek-V3 with its MTP layer's weights (the FFN role serves the MTP layer's experts beside
   the target's; the Attention role, not drafting, never sends them). Without them:
   ``test_e2e_models_parity.py``'s ``deepseek_v3`` cases.
+* DeepSeek-V2-Lite-Chat as transformers 5 saves it (``q_lora_rank: null``, yarn with
+  ``mscale``, greedy softmax routing, ``auto_map`` kept).
 * DeepSeek-V3 and Kimi-K2 are published in FP8; their published BF16 conversions drop the
   ``quantization_config`` (``dequantized``); the FP8 configs themselves are refused before any
   engine starts (``test_models_checkpoint_support.py``).
@@ -59,6 +61,7 @@ COMPILED = replace(EAGER, enforce_eager=False)
 
 V3 = PublishedSpec("deepseek-v3", dequantized=True)
 KIMI_K2 = PublishedSpec("kimi-k2-instruct", dequantized=True)
+V2_LITE = PublishedSpec("deepseek-v2-lite-chat")
 QWEN3_30B = PublishedSpec("qwen3-30b-a3b")
 GLM = PublishedSpec("glm-4.7")
 
@@ -85,6 +88,8 @@ class Case:
 CASES = [
     Case(V3, 1, True),
     Case(V3, 1, True, 2),
+    Case(V2_LITE, 1, False),
+    Case(V2_LITE, 1, True, 2),
     Case(KIMI_K2, 1, False),
     Case(KIMI_K2, 1, True, 2),
     Case(QWEN3_30B, 1, False),

@@ -36,6 +36,7 @@ from afd_models.demo.tiny import tensor_shapes
 #: see SOURCES.md).
 NAMES_OF = {
     "deepseek-v3": "deepseek-v3",
+    "deepseek-v2-lite": "deepseek-v2-lite-chat",
     "kimi-k2-instruct": "kimi-k2-instruct",
     "qwen3-30b-a3b": "qwen3-30b-a3b",
     "qwen3-30b-a3b-fp8": "qwen3-30b-a3b-fp8",
@@ -157,3 +158,12 @@ def test_qwen3_235b_scales_to_qwen3_30b_so_one_checkpoint_serves_both() -> None:
     assert PublishedSpec("qwen3-235b-a22b").config(1024) == PublishedSpec("qwen3-30b-a3b").config(
         1024
     )
+
+
+def test_deepseek_r1_differs_from_deepseek_v3_only_in_keys_vllm_does_not_read() -> None:
+    """DeepSeek-R1's config is DeepSeek-V3's plus training-only keys: the DeepSeek-V3 cases serve
+    what an R1 checkpoint serves. If another key ever differs, R1 needs cases of its own."""
+    training_only = {"aux_loss_alpha", "seq_aux", "pretraining_tp", "transformers_version"}
+    v3, r1 = published_config("deepseek-v3"), published_config("deepseek-r1")
+    differing = {k for k in set(v3) | set(r1) if v3.get(k) != r1.get(k)}
+    assert differing == training_only
