@@ -10,7 +10,8 @@
   The text model never calls either. Guarded: vLLM 0.32.x only; a different failure re-raises.
 * :func:`write_checkpoint` writes a config and random safetensors weights (checkpoint names).
 * :class:`InProcessConnector` runs the FFN-role model in-process behind the Attention role's
-  ``afd::remote_ffn*`` ops (payload fields checked against the spec, ``input_ids`` included).
+  ``afd::remote_ffn*`` ops (payload fields checked against the spec, ``input_ids`` included);
+  :class:`InProcessExpertParallelConnector` runs several expert-parallel FFN ranks' models.
 """
 
 from __future__ import annotations
@@ -157,6 +158,56 @@ class InProcessConnector(AFDConnectorBase):
                     handle.metadata.layer_idx, payload.hidden_states, payload.router_logits, **kw
                 )
             )
+        return outs
+
+    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
+        raise NotImplementedError
+
+    def send_combine(self, outputs: Any, metadata: Any) -> None:
+        raise NotImplementedError
+
+
+class InProcessExpertParallelConnector(AFDConnectorBase):
+    """Expert-parallel afd-core connector running every FFN rank's model in-process on the
+    payload dispatched to it (hidden states and the global top-k); ``counts`` records each
+    dispatch's per-rank token counts."""
+
+    name = "test-in-process-ep"
+
+    def __init__(self, attn_cfg: Any, attn_model: Any, ranks: list[tuple[Any, Any]]) -> None:
+        from afd_models.models._common import afd_config_of
+
+        spec = attn_model.afd_payload_spec
+        super().__init__(afd_config_of(attn_cfg), payload_spec=spec, num_layers=8)
+        self.ranks = ranks
+        self.counts: list[tuple[int, ...]] = []
+
+    def init(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
+        self.counts.append(tuple(metadata.num_tokens))
+        return AFDTransferHandle(metadata, list(payloads), id(self))
+
+    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
+        from afd_runtime.workers.base import _vllm_forward_context
+
+        handle.consume()
+        layer, outs = handle.metadata.layer_idx, []
+        for (cfg, model), p in zip(self.ranks, handle.state, strict=True):
+            if p.hidden_states.shape[0] == 0:
+                outs.append(p.hidden_states)
+                continue
+            topk = (p.topk_weights, p.topk_ids)
+            with _vllm_forward_context(cfg, p.hidden_states.shape[0]):
+                outs.append(model.afd_ffn_forward(layer, p.hidden_states, None, topk))
         return outs
 
     def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:

@@ -16,6 +16,7 @@ Checked, all exactly (``torch.equal``):
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,10 @@ from afd_core.testing import free_port
 from afd_models.demo.published import PublishedSpec, ensure_published_checkpoint
 from afd_models.demo.tiny import TinySpec, ensure_tiny_checkpoint
 from afd_runtime.roles import model_param_bytes
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import afd_models_adapter_kit as kit
 
 pytestmark = [pytest.mark.vllm_runtime, pytest.mark.timeout(600)]
 
@@ -301,62 +306,6 @@ def test_role_worker_selected_by_config(
     assert AFDRole.FFN.value == "ffn"
 
 
-class _InProcessExpertParallel(AFDConnectorBase):
-    """Expert-parallel afd-core connector running every FFN rank's model in-process."""
-
-    name = "test-in-process-ep"
-
-    def __init__(self, attn_cfg: Any, attn_model: Any, ffns: list[tuple[Any, Any]]) -> None:
-        from afd_models.models._common import afd_config_of
-
-        super().__init__(
-            afd_config_of(attn_cfg), payload_spec=attn_model.afd_payload_spec, num_layers=8
-        )
-        self.ffns = ffns
-        self.counts: list[tuple[int, ...]] = []
-
-    def init(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
-        self.counts.append(metadata.num_tokens)
-        return AFDTransferHandle(metadata, list(payloads), id(self))
-
-    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
-        from afd_runtime.workers.base import _vllm_forward_context
-
-        handle.consume()
-        outs = []
-        for (cfg, model), p in zip(self.ffns, handle.state, strict=True):
-            n = p.hidden_states.shape[0]
-            if not n:
-                outs.append(p.hidden_states)
-                continue
-            with _vllm_forward_context(cfg, n):
-                outs.append(
-                    model.afd_ffn_forward(
-                        handle.metadata.layer_idx,
-                        p.hidden_states,
-                        None,
-                        (p.topk_weights, p.topk_ids),
-                    )
-                )
-        return outs
-
-    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
-        raise NotImplementedError
-
-    def send_combine(self, outputs: Any, metadata: Any) -> None:
-        raise NotImplementedError
-
-
 def test_router_refuses_a_missing_or_unexpected_routing_bias(vllm_env: None) -> None:
     """A router outside the FusedMoE must get its layer's bias exactly when the model routes
     with one: without it DeepSeek-V3 would route silently without the correction bias."""
@@ -421,7 +370,7 @@ def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
     with torch.inference_mode():
         with _vllm_forward_context(plain_cfg, 9):
             want = plain.model.layers[layer].mlp(hidden.clone())
-        connector = _InProcessExpertParallel(attn_cfg, attn, ffns)
+        connector = kit.InProcessExpertParallelConnector(attn_cfg, attn, ffns)
         meta = AFDForwardMetadata(connector=connector, num_tokens=(9,))
         with set_afd_forward_metadata(meta), _vllm_forward_context(attn_cfg, 9):
             got = attn.model.layers[layer].mlp(hidden.clone())

@@ -32,7 +32,6 @@ pytest.importorskip("vllm")
 sys.path.insert(0, str(Path(__file__).parent))
 
 import afd_models_adapter_kit as kit
-from afd_core.connector import AFDConnectorBase, AFDTransferHandle
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_models._weight_utils import WeightOwner
 
@@ -309,54 +308,6 @@ def test_afd_moe_layer_equals_plain_layer(models: Models, gate_on_attention: boo
     assert block.experts.router.e_score_correction_bias is block.gate.e_score_correction_bias
 
 
-class _ExpertParallelConnector(AFDConnectorBase):
-    """Runs each expert-parallel FFN rank's model in-process on the payload sent to it."""
-
-    name = "test-glm-in-process-ep"
-
-    def __init__(self, attn_cfg: Any, attn_model: Any, ranks: list[tuple[Any, Any]]) -> None:
-        from afd_models.models._common import afd_config_of
-
-        spec = attn_model.afd_payload_spec
-        super().__init__(afd_config_of(attn_cfg), payload_spec=spec, num_layers=8)
-        self.ranks = ranks
-        self.counts: list[tuple[int, ...]] = []
-
-    def init(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
-        self.counts.append(tuple(metadata.num_tokens))
-        return AFDTransferHandle(metadata, list(payloads), id(self))
-
-    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
-        from afd_runtime.workers.base import _vllm_forward_context
-
-        handle.consume()
-        layer, outs = handle.metadata.layer_idx, []
-        for (cfg, model), p in zip(self.ranks, handle.state, strict=True):
-            if p.hidden_states.shape[0] == 0:
-                outs.append(p.hidden_states)
-                continue
-            topk = (p.topk_weights, p.topk_ids)
-            with _vllm_forward_context(cfg, p.hidden_states.shape[0]):
-                outs.append(model.afd_ffn_forward(layer, p.hidden_states, None, topk))
-        return outs
-
-    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
-        raise NotImplementedError
-
-    def send_combine(self, outputs: Any, metadata: Any) -> None:
-        raise NotImplementedError
-
-
 def test_expert_parallel_routes_on_attention_with_the_correction_bias(
     models: Models, checkpoint: Path
 ) -> None:
@@ -393,7 +344,7 @@ def test_expert_parallel_routes_on_attention_with_the_correction_bias(
         with torch.inference_mode():
             with _vllm_forward_context(plain_cfg, n):
                 want = plain.model.layers[layer].mlp(hidden.clone())
-            connector = _ExpertParallelConnector(attn_cfg, attn, ranks)
+            connector = kit.InProcessExpertParallelConnector(attn_cfg, attn, ranks)
             meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
             with set_afd_forward_metadata(meta), _vllm_forward_context(attn_cfg, n):
                 got = mlp(hidden.clone())
