@@ -22,6 +22,7 @@ upstream's router dtype and the EPLB list upstream fills (``moe_mlp_layers``).
 from __future__ import annotations
 
 from collections.abc import Iterable
+from contextlib import ExitStack
 from typing import Any, ClassVar
 
 import torch
@@ -304,27 +305,39 @@ class AFDDeepseekV3ForCausalLM(AFDDeepseekV2ForCausalLM):
     """DeepSeek-V3 uses the V2 implementation upstream too."""
 
 
-class AFDDeepSeekMTP(upstream_mtp.DeepSeekMTP):
-    """``DeepSeekMTP`` (the MTP drafter, architecture ``DeepSeekMTPModel``) on the Attention role:
-    its layer's ``DeepseekV2MoE`` is :class:`AFDAttnDeepseekV2MoE` (built as in the target
-    model), so the draft layer's routed experts run on the FFN role, which holds them (see
-    :func:`deepseek_classifier`); MLA attention, norms, ``eh_proj`` and the shared head stay here.
+class DeepSeekLayoutDrafterMixin:
+    """The Attention role's MTP drafter of a model with DeepSeek's checkpoint layout (put it
+    first in the bases of upstream's drafter class): its layer's MoE block is the target
+    adapter's Attention-side stand-in (:attr:`_afd_stand_ins`, swapped while upstream's
+    constructor runs), so the draft layer's routed experts run on the FFN role, which holds them
+    (see :func:`deepseek_classifier`); attention, norms, ``eh_proj``, shared experts and the
+    shared head stay here.
 
     The drafter's forwards are AFD steps of their own (afd-runtime announces them
-    ``is_draft``). Without ``additional_config["afd"]`` this is upstream's class.
+    ``is_draft``, sending ``afd_draft_layer_indices``). Without ``additional_config["afd"]``
+    this is upstream's class.
     """
+
+    #: ``(module, name, class)`` swaps made while upstream's constructor runs.
+    _afd_stand_ins: ClassVar[tuple[tuple[Any, str, type[nn.Module]], ...]]
+    #: Upstream's EPLB lists of MoE blocks to empty (no routed experts live here).
+    _afd_eplb_lists: ClassVar[tuple[str, ...]] = ()
+    _afd_classify: Classifier | None = None
+    model: Any
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
         afd = afd_config_of(vllm_config)
-        self._afd_classify: Classifier | None = None
         if afd is None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
+            super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
             return
-        with construction_override(upstream, "DeepseekV2MoE", AFDAttnDeepseekV2MoE):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
+        with ExitStack() as swaps:
+            for module, name, stand_in in self._afd_stand_ins:
+                swaps.enter_context(construction_override(module, name, stand_in))
+            super().__init__(vllm_config=vllm_config, prefix=prefix)  # type: ignore[call-arg]
+        for name in self._afd_eplb_lists:
+            getattr(self, name).clear()
         # The MoE layers this drafter sends to the FFN role (afd-runtime hooks its forward).
-        layers = self.model.layers.keys()
-        self.afd_draft_layer_indices = tuple(sorted(int(i) for i in layers))
+        self.afd_draft_layer_indices = tuple(sorted(int(i) for i in self.model.layers))
         self._afd_classify = deepseek_draft_classifier(
             afd.compute_gate_on_attention, attention_routes=afd.num_ffn_ranks > 1
         )
@@ -332,8 +345,15 @@ class AFDDeepSeekMTP(upstream_mtp.DeepSeekMTP):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         if self._afd_classify is not None:
             weights = filter_role_weights(weights, AFDRole.ATTENTION, self._afd_classify)
-        loaded: set[str] = super().load_weights(weights)
+        loaded: set[str] = set(super().load_weights(weights))  # type: ignore[misc]
         # vLLM's MTP proposer then replaces this model's token embedding with the target
         # model's (one tensor), so it is not counted here a second time.
-        self.afd_param_bytes = param_bytes(self) - param_bytes(self.model.embed_tokens)
+        self.afd_param_bytes = param_bytes(self) - param_bytes(self.model.embed_tokens)  # type: ignore[arg-type]
         return loaded
+
+
+class AFDDeepSeekMTP(DeepSeekLayoutDrafterMixin, upstream_mtp.DeepSeekMTP):
+    """``DeepSeekMTP`` (architecture ``DeepSeekMTPModel``) on the Attention role, its layer's
+    ``DeepseekV2MoE`` replaced by :class:`AFDAttnDeepseekV2MoE` (see the mixin)."""
+
+    _afd_stand_ins = ((upstream, "DeepseekV2MoE", AFDAttnDeepseekV2MoE),)

@@ -35,12 +35,9 @@ policy), :func:`build_ffn_block`, the fp32 router dtype and the EPLB list upstre
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
-from afd_core.config import AFDRole
-from afd_weights import param_bytes
 from torch import nn
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear
@@ -48,14 +45,12 @@ from vllm.model_executor.models import glm4_moe as upstream
 from vllm.model_executor.models import glm4_moe_mtp as upstream_mtp
 from vllm.model_executor.models.utils import extract_layer_index
 
-from afd_models._weight_utils import Classifier, filter_role_weights
 from afd_models.models._common import (
     FFNMoEBlock,
     RemoteMoEBlock,
     afd_config_of,
 )
-from afd_models.models._construction import construction_override
-from afd_models.models.deepseek_v2 import DeepSeekLayoutMixin, deepseek_draft_classifier
+from afd_models.models.deepseek_v2 import DeepSeekLayoutDrafterMixin, DeepSeekLayoutMixin
 
 #: Upstream's ``Glm4MoE`` gate: fp32 weights and fp32 router logits.
 ROUTER_DTYPE = torch.float32
@@ -221,43 +216,15 @@ class AFDGlm4MoeForCausalLM(DeepSeekLayoutMixin, upstream.Glm4MoeForCausalLM):
         return True  # upstream's Glm4MoE always registers e_score_correction_bias
 
 
-class AFDGlm4MoeMTP(upstream_mtp.Glm4MoeMTP):
-    """``Glm4MoeMTP`` (the MTP drafter, architecture ``Glm4MoeMTPModel``) on the Attention role:
-    its layer's ``Glm4MoE`` is :class:`AFDAttnGlm4MoE` (built as in the target model), so the
-    draft layer's routed experts run on the FFN role, which holds them; attention, norms,
-    ``eh_proj``, the shared experts and the shared head stay here.
+class AFDGlm4MoeMTP(DeepSeekLayoutDrafterMixin, upstream_mtp.Glm4MoeMTP):
+    """``Glm4MoeMTP`` (architecture ``Glm4MoeMTPModel``) on the Attention role, its layer's
+    ``Glm4MoE`` replaced by :class:`AFDAttnGlm4MoE` (see the mixin); like the target model it
+    exposes no MoE layers to EPLB."""
 
-    The drafter's forwards are AFD steps of their own (afd-runtime announces them
-    ``is_draft``). Without ``additional_config["afd"]`` this is upstream's class.
-    """
-
-    def __init__(self, *, vllm_config: VllmConfig, prefix: str = "") -> None:
-        afd = afd_config_of(vllm_config)
-        self._afd_classify: Classifier | None = None
-        if afd is None:
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-            return
-        # The decoder layer looks the block up in glm4_moe, the drafter's constructor checks
-        # its layers against glm4_moe_mtp's import of it.
-        with (
-            construction_override(upstream, "Glm4MoE", AFDAttnGlm4MoE),
-            construction_override(upstream_mtp, "Glm4MoE", AFDAttnGlm4MoE),
-        ):
-            super().__init__(vllm_config=vllm_config, prefix=prefix)
-        # No routed experts live here: expose no MoE layers to EPLB (as the target model).
-        self.moe_layers.clear()
-        self.moe_mlp_layers.clear()
-        # The MoE layers this drafter sends to the FFN role (afd-runtime hooks its forward).
-        self.afd_draft_layer_indices = tuple(sorted(int(i) for i in self.model.layers))
-        self._afd_classify = deepseek_draft_classifier(
-            afd.compute_gate_on_attention, attention_routes=afd.num_ffn_ranks > 1
-        )
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        if self._afd_classify is None:
-            return set(super().load_weights(weights))
-        kept = filter_role_weights(weights, AFDRole.ATTENTION, self._afd_classify)
-        loaded = set(super().load_weights(kept))
-        # Less the token embedding, which vLLM's MTP proposer replaces by the target model's.
-        self.afd_param_bytes = param_bytes(self) - param_bytes(self.model.embed_tokens)
-        return loaded
+    # The decoder layer looks the block up in glm4_moe, the drafter's constructor checks its
+    # layers against glm4_moe_mtp's import of it.
+    _afd_stand_ins = (
+        (upstream, "Glm4MoE", AFDAttnGlm4MoE),
+        (upstream_mtp, "Glm4MoE", AFDAttnGlm4MoE),
+    )
+    _afd_eplb_lists = ("moe_layers", "moe_mlp_layers")
