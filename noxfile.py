@@ -39,7 +39,7 @@ def _members() -> dict[str, Path]:
 PACKAGES = _members()
 #: Packages that import vLLM eagerly: their isolated env needs the CPU extra.
 VLLM_PACKAGES = ("afd-runtime", "afd-models")
-CPU_MARKERS = "not npu and not e2e and not faults and not load"
+CPU_MARKERS = "not npu and not e2e and not faults and not load and not bench"
 
 
 def _sync(session: nox.Session, *args: str, bytecode: bool = True) -> None:
@@ -218,9 +218,11 @@ def failures(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON, default=False, tags=["bench"])
 def bench(session: nox.Session) -> None:
-    """Every packages/*/benchmarks/bench_*.py, then ``afd bench`` (serving TPOT, AFD vs plain);
-    JSON results under each package's benchmarks/results."""
+    """The tests marked ``bench`` (speed relations between engine runs), every
+    packages/*/benchmarks/bench_*.py, then ``afd bench`` (serving TPOT, AFD vs plain); JSON
+    results under each package's benchmarks/results."""
     _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
+    _pytest(session, "packages", "-m", "bench")
     scripts = sorted(ROOT.glob("packages/*/benchmarks/bench_*.py"))
     if not scripts:
         session.error("no benchmark scripts found under packages/*/benchmarks/")

@@ -47,7 +47,7 @@ def test_afd_bench_profile_writes_the_default_profile_afd_plan_then_uses(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    # --no-engine: the vLLM runs are test_e2e_models_calibrate.py's; the rates and the wake-up
+    # --no-engine: the vLLM runs are test_bench_models_calibrate.py's; the rates and the wake-up
     # are measured here.
     assert cli.main(["bench", "--profile", "--quick", "--no-engine"]) == cli.EXIT_OK
     out = tmp_path / "cache" / "afd" / "profile.json"

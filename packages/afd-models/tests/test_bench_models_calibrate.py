@@ -1,7 +1,11 @@
 """``afd bench --profile`` with its engine runs: plain vLLM and an AFD 1:1 pair on the tiny
 checkpoint give the profile's step, sequence and per-message costs, and on a host of fewer than
 three cores AFD 1:2 its oversubscription cost (the rates and the wake-up are covered without
-engines by ``test_models_calibrate.py``)."""
+engines by ``test_models_calibrate.py``).
+
+Marker ``bench`` (``nox -s bench``, not the default CI run): it asserts speed relations between
+engine runs (AFD's step above plain vLLM's, a message above a thread wake-up), which belong to
+benchmarks, not to the correctness suites."""
 
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ pytest.importorskip("vllm")
 from afd_models import cli
 from afd_plan import load_profile
 
-pytestmark = [pytest.mark.e2e, pytest.mark.vllm_runtime, pytest.mark.slow]
+pytestmark = [pytest.mark.bench, pytest.mark.vllm_runtime, pytest.mark.slow]
 
 
 @pytest.mark.timeout(900)
