@@ -19,12 +19,10 @@ from typing import Any
 
 import pytest
 from afd_core.errors import AFDModelError
-from afd_models.checkpoint_support import (
-    SUPPORTED_ARCHITECTURES,
-    check_checkpoint_config,
-)
 from afd_models.demo.published import PublishedSpec, published_keys
+from afd_models.plugin import SERVED_MODELS
 from afd_models.vllm_cli import check_serve_args, serve_model_arg
+from afd_runtime.checkpoint_checks import check_checkpoint_config
 
 AFD_FFN = json.dumps({"afd": {"role": "ffn"}})
 
@@ -48,16 +46,12 @@ def fp8(tmp_path: Path) -> Path:
     return _planted(tmp_path / "fp8", PublishedSpec("qwen3-30b-a3b-fp8"))
 
 
-def test_the_supported_architectures_are_the_adapters_not_the_drafters() -> None:
-    assert "Qwen3MoeForCausalLM" in SUPPORTED_ARCHITECTURES
-    assert "DeepseekV3ForCausalLM" in SUPPORTED_ARCHITECTURES
-    assert "DeepSeekMTPModel" not in SUPPORTED_ARCHITECTURES
-
-
 @pytest.mark.parametrize(
     ("config", "field"),
     [
         ({"architectures": ["MixtralForCausalLM"]}, "architectures"),
+        # A drafter is built from a served checkpoint, never served itself.
+        ({"architectures": ["DeepSeekMTPModel"]}, "architectures"),
         ({"architectures": []}, "architectures"),
         ({}, "architectures"),
         (
@@ -71,7 +65,7 @@ def test_the_supported_architectures_are_the_adapters_not_the_drafters() -> None
 )
 def test_each_refusal_names_the_checkpoint_field(config: dict[str, Any], field: str) -> None:
     with pytest.raises(AFDModelError) as info:
-        check_checkpoint_config(config, "checkpoint 'x'")
+        check_checkpoint_config(config, "checkpoint 'x'", SERVED_MODELS)
     assert info.value.field == field
     assert "checkpoint 'x'" in str(info.value)
     if field == "architectures":
@@ -83,10 +77,10 @@ def test_published_checkpoints_pass_unquantized_and_are_refused_quantized(key: s
     """Every published fixture with an adapted architecture: accepted without a
     quantization_config, refused with one (the FP8 releases as published)."""
     published = PublishedSpec(key).config(1024)
-    check_checkpoint_config(PublishedSpec(key, dequantized=True).config(1024), key)
+    check_checkpoint_config(PublishedSpec(key, dequantized=True).config(1024), key, SERVED_MODELS)
     if "quantization_config" in published:
         with pytest.raises(AFDModelError) as info:
-            check_checkpoint_config(published, key)
+            check_checkpoint_config(published, key, SERVED_MODELS)
         assert info.value.field == "quantization_config.quant_method"
         assert info.value.value == "fp8"
 
@@ -152,3 +146,6 @@ def test_vllm_engine_config_refuses_before_any_engine(
     expected = "architectures" if planted == "mixtral" else "quantization_config.quant_method"
     assert info.value.field == expected
     assert "AFD role ffn" in str(info.value)
+    if planted == "mixtral":  # the plugin declared the served architectures, not the drafters
+        assert "Glm4MoeForCausalLM" in str(info.value)
+        assert "DeepSeekMTPModel" not in str(info.value)

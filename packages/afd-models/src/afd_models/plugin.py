@@ -10,8 +10,8 @@ time. What it does (once per process):
 3. registers the AFD model classes under the upstream architecture names
    (:data:`MODEL_REGISTRATIONS`). Without ``additional_config["afd"]`` those classes construct
    exactly the upstream model;
-4. registers :func:`afd_models.checkpoint_support.check_checkpoint`, which refuses a checkpoint
-   AFD does not serve before any AFD engine starts.
+4. declares the served architectures (:data:`SERVED_MODELS`) to afd-runtime's checkpoint check
+   (:mod:`afd_runtime.checkpoint_checks`), which refuses any other before an AFD engine starts.
 
 Without vLLM installed it does nothing.
 """
@@ -22,16 +22,21 @@ import importlib.util
 from typing import Final
 
 #: Upstream architecture name -> AFD class (``module:Class``), registered with vLLM.
-MODEL_REGISTRATIONS: Final[dict[str, str]] = {
+#: The architectures of the checkpoints AFD serves (declared to afd-runtime's checkpoint check).
+SERVED_MODELS: Final[dict[str, str]] = {
     "Qwen3MoeForCausalLM": "afd_models.models.qwen3_moe:AFDQwen3MoeForCausalLM",
     "DeepseekV2ForCausalLM": "afd_models.models.deepseek_v2:AFDDeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "afd_models.models.deepseek_v2:AFDDeepseekV3ForCausalLM",
-    "DeepSeekMTPModel": "afd_models.models.deepseek_v2:AFDDeepSeekMTP",
     "Qwen3_5MoeForCausalLM": "afd_models.models.qwen3_5_moe:AFDQwen3_5MoeForCausalLM",
     "DeepseekV4ForCausalLM": "afd_models.models.deepseek_v4:AFDDeepseekV4ForCausalLM",
     "Glm4MoeForCausalLM": "afd_models.models.glm4_moe:AFDGlm4MoeForCausalLM",
+}
+#: Speculative drafters (vLLM builds them from a served checkpoint's MTP layers).
+DRAFTER_MODELS: Final[dict[str, str]] = {
+    "DeepSeekMTPModel": "afd_models.models.deepseek_v2:AFDDeepSeekMTP",
     "Glm4MoeMTPModel": "afd_models.models.glm4_moe:AFDGlm4MoeMTP",
 }
+MODEL_REGISTRATIONS: Final[dict[str, str]] = {**SERVED_MODELS, **DRAFTER_MODELS}
 
 _registered = False
 
@@ -49,14 +54,12 @@ def register() -> None:
     if importlib.util.find_spec("vllm") is None:
         _registered = True
         return
-    from afd_runtime.checkpoint_checks import register_checkpoint_check
+    from afd_runtime.checkpoint_checks import declare_architectures
     from afd_runtime.patches import apply_vllm_patches
     from vllm import ModelRegistry
 
-    from afd_models.checkpoint_support import check_checkpoint
-
     apply_vllm_patches()
-    register_checkpoint_check(check_checkpoint)
+    declare_architectures(SERVED_MODELS)
     for arch, target in MODEL_REGISTRATIONS.items():
         ModelRegistry.register_model(arch, target)
     _registered = True

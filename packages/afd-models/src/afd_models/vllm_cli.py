@@ -14,8 +14,8 @@ changes the answer for the name ``vllm`` only.
 (:func:`check_serve_args`): malformed JSON and an invalid ``afd`` mapping (unknown key, wrong
 type, bad value) fail in about a second, with afd-core's :class:`~afd_core.errors.AFDConfigError`
 naming the flag or field, and a local checkpoint AFD does not serve
-(:func:`afd_models.checkpoint_support.check_checkpoint_config`: its ``architectures``, a
-``quantization_config``) fails with an :class:`~afd_core.errors.AFDModelError` naming the
+(afd-runtime's :func:`~afd_runtime.checkpoint_checks.check_checkpoint_config`: its
+``architectures``, a ``quantization_config``) fails with an :class:`~afd_core.errors.AFDModelError` naming the
 checkpoint field, instead of after vLLM's start-up (vLLM's own parser would report
 malformed JSON as an unrelated pydantic error, or as "cannot be converted to <function loads>").
 """
@@ -103,9 +103,12 @@ def check_serve_args(argv: Sequence[str]) -> None:
     model = serve_model_arg(argv)
     config = Path(model) / "config.json" if model else None
     if any(roles) and config is not None and config.is_file():
-        from afd_models.checkpoint_support import check_checkpoint_config
+        from afd_runtime.checkpoint_checks import check_checkpoint_config
 
-        check_checkpoint_config(json.loads(config.read_text()), f"checkpoint {model!r}")
+        from afd_models.plugin import SERVED_MODELS
+
+        where = f"checkpoint {model!r}"
+        check_checkpoint_config(json.loads(config.read_text()), where, SERVED_MODELS)
 
 
 def serve_model_arg(argv: Sequence[str]) -> str | None:

@@ -7,7 +7,7 @@
    :data:`AFD_SHUTDOWN_TIMEOUT_S` so SIGTERM stops workers gracefully instead of force-killing
    them; on the CPU platform run the engine's one worker in the engine core process
    (:func:`in_process_executor`); refuse data parallelism that cannot match the AFD topology
-   (:func:`check_role_parallelism`), a checkpoint a registered check refuses
+   (:func:`check_role_parallelism`), a checkpoint AFD does not serve
    (:mod:`afd_runtime.checkpoint_checks`) and a non-loopback ``host`` without ``AFD_SECRET``
    (afd-core's ``deployment_secret``). Without AFD config: unchanged, except that
    ``--additional-config`` text vLLM's parser passed through unparsed (not shaped ``{...}``; vLLM
@@ -69,7 +69,7 @@ from afd_core.config import AFDConfig, AFDRole, parse_additional_config_json, pa
 from afd_core.errors import AFDConfigError
 from afd_core.session.access import deployment_secret
 
-from afd_runtime.checkpoint_checks import run_checkpoint_checks
+from afd_runtime.checkpoint_checks import check_served_checkpoint
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
 from afd_runtime.metrics import enable_multiprocess_metrics
 from afd_runtime.roles import check_role_tensor_parallelism, check_speculative_decoding
@@ -223,7 +223,7 @@ def select_afd_worker(
     pc = vllm_config.parallel_config
     check_role_parallelism(cfg, pc)
     check_speculative_decoding(cfg, vllm_config)
-    run_checkpoint_checks(cfg, vllm_config)
+    check_served_checkpoint(cfg, vllm_config)
     # A host off loopback needs AFD_SECRET: refuse now, not after the engine has started.
     deployment_secret(cfg.host)
     current = pc.worker_cls

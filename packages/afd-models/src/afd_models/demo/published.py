@@ -7,9 +7,9 @@ checkpoints somebody else saved, with keys and values we never set (yarn ``rope_
 and replaces only sizes (:func:`scaled_config`): layer counts, hidden and intermediate sizes,
 head counts and dimensions, expert counts, the vocabulary (the tiny tokenizer's). The weights are
 seeded random values under the published tensor names (:func:`afd_models.demo.tiny.tensor_shapes`;
-``tests/test_models_published_checkpoints.py`` checks them against each model's published
-``model.safetensors.index.json``, recorded in ``published/<key>.weights.txt``). Where each config
-came from (model and revision, and where the copy was found): ``published/SOURCES.md``.
+``tests/test_models_published_checkpoints.py`` checks them against the names of each model's
+published checkpoint, recorded in ``published/<key>.weights.txt``). Where each file came from:
+``published/SOURCES.md``.
 
 Invariants: same :class:`PublishedSpec` => byte-identical files (cached by content hash, like
 the tiny checkpoints); a scaled config differs from the published one only in
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -72,11 +73,9 @@ EXPERTS: Final[int] = 16
 
 def published_keys() -> tuple[str, ...]:
     """Every published config shipped here (``<key>.config.json``), sorted."""
-    return tuple(sorted(p.name.removesuffix(".config.json") for p in _configs()))
-
-
-def _configs() -> list[Path]:
-    return list(PUBLISHED_DIR.glob("*.config.json"))
+    return tuple(
+        sorted(p.name.removesuffix(".config.json") for p in PUBLISHED_DIR.glob("*.config.json"))
+    )
 
 
 def published_config(key: str) -> dict[str, Any]:
@@ -89,9 +88,8 @@ def published_config(key: str) -> dict[str, Any]:
 
 
 def published_weight_names(key: str) -> tuple[str, ...] | None:
-    """Tensor names recorded from the model's published ``model.safetensors.index.json`` (the
-    non-layer tensors, layer 0, the first MoE layer's experts 0 and 1 and the rest of that
-    layer, the MTP layer), or ``None`` when no index was found."""
+    """Tensor names of the model's published checkpoint (the non-layer tensors, layer 0, the
+    first MoE layer with experts 0 and 1, the MTP layer), or ``None`` when none were recorded."""
     path = PUBLISHED_DIR / f"{key}.weights.txt"
     if not path.is_file():
         return None
@@ -189,7 +187,7 @@ class PublishedSpec:
         return scaled_config(published, vocab_size)
 
 
-def _files(spec: PublishedSpec) -> Any:
+def _files(spec: PublishedSpec) -> Iterator[tuple[str, bytes]]:
     tokenizer_json = build_tokenizer_json()
     config = spec.config(_vocab_size(tokenizer_json))
     return checkpoint_files(
