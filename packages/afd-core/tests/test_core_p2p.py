@@ -13,15 +13,22 @@ from typing import Any
 import pytest
 import torch
 from afd_core.config import AFDConfig, AFDConfigError, AFDRole
-from afd_core.connector.p2p import RECV_AHEAD_BYTES, P2PConnector, backend_for_device
+from afd_core.connector.p2p import (
+    PROTOCOL_VERSION,
+    RECV_AHEAD_BYTES,
+    P2PConnector,
+    backend_for_device,
+)
 from afd_core.errors import (
     AFDConnectorError,
+    AFDHandshakeError,
     AFDNotInitializedError,
     AFDPayloadError,
     AFDPeerError,
     AFDTimeoutError,
 )
 from afd_core.metadata import AFDControlMessage, AFDPayload, AFDPayloadSpec, AFDTransferMetadata
+from afd_core.session.handshake import _compare_handshake
 from afd_core.testing import free_port, run_world
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -338,7 +345,19 @@ def test_handshake_fields_cover_contract() -> None:
     fields = conn.handshake_fields()
     assert fields["hidden_size"] == 8 and fields["dtype"] == "bfloat16"
     assert fields["num_layers"] == 5 and fields["topology"] == [3, 2, 1]
-    assert fields["protocol_version"] == 8
+    # The P2P wire protocol's version (not the session base's default), compared first: a peer
+    # on another version is refused naming it even when other fields differ too.
+    assert fields["protocol_version"] == PROTOCOL_VERSION
+    _compare_handshake(fields, dict(fields), 0)
+    with pytest.raises(AFDHandshakeError) as info:
+        _compare_handshake(
+            fields, {**fields, "protocol_version": PROTOCOL_VERSION + 1, "hidden_size": 16}, 0
+        )
+    assert (info.value.field, info.value.local, info.value.remote) == (
+        "protocol_version",
+        PROTOCOL_VERSION,
+        PROTOCOL_VERSION + 1,
+    )
     assert fields["role"] == "ffn" and fields["role_agreement"] == {}
     assert fields["model_identity"] == {}
     assert fields["config_hash"] == conn.config.agreement_hash()
@@ -465,10 +484,13 @@ def test_recv_ahead_window_follows_recv_ahead_bytes() -> None:
 
 def test_recv_ahead_bytes_extra_config() -> None:
     conn = P2PConnector(AFDConfig(role=AFDRole.FFN), payload_spec=spec(), num_layers=8)
-    assert conn.recv_ahead_bytes == RECV_AHEAD_BYTES == 2 << 20
-    # spec(): hidden 4 float32, 16 bytes a token.
-    assert conn._window(1024) == (2 << 20) // (1024 * 16)
-    assert conn._window(0) == 0 and conn._window(512 << 10) == 0
+    assert conn.recv_ahead_bytes == RECV_AHEAD_BYTES  # the default applies
+    # spec(): hidden 4 float32, 16 bytes a token: as many transfers as fit in the budget, none
+    # for a transfer larger than the budget or of no tokens.
+    assert conn._window(1024) == RECV_AHEAD_BYTES // (1024 * 16) > 1
+    assert conn._window(RECV_AHEAD_BYTES // 16) == 1
+    assert conn._window(RECV_AHEAD_BYTES // 16 + 1) == 0
+    assert conn._window(0) == 0
     for extra, window in (
         ({"recv_ahead_bytes": 0}, 0),
         ({"recv_ahead_bytes": 64}, 4),

@@ -2,6 +2,7 @@
 deps, and none of them imports vLLM, transformers or matplotlib."""
 
 import importlib
+import importlib.metadata
 import pkgutil
 import subprocess
 import sys
@@ -13,7 +14,8 @@ def test_every_module_imports() -> None:
     names = [m.name for m in pkgutil.walk_packages(afd_plan.__path__, prefix="afd_plan.")]
     for name in names:
         importlib.import_module(name)
-    assert afd_plan.__version__ == "0.1.0"
+    # The version the package reports is the installed distribution's, not a second copy.
+    assert afd_plan.__version__ == importlib.metadata.version("afd-plan")
 
 
 def test_no_heavy_imports() -> None:

@@ -16,22 +16,24 @@ forced expert balance; DBO (two micro-batches) and graph mode on the AFD roles; 
 48:16 and 64:16 stand in for 192:64 and 256:64 (the FFN batch per die, ``A * 28 / F``, is the
 same as the large deployment's).
 
-Inputs of the model (one profile, one shape, nothing tuned per deployment):
+Inputs of the model (one profile, one shape, nothing tuned per deployment or to the answer):
 
 * profile: the shipped ``ascend-910c-die`` (public package figures halved per die: 390 TFLOPS
   BF16, 780 TOPS INT8, 1.6 TB/s, 64 GiB, 200 GB/s link; assumed there: efficiencies 0.6
-  compute / 0.8 memory / 0.8 link, 0.1 us a peer message) with two inputs of this run:
+  compute / 0.8 memory / 0.8 link, 0.1 us a peer message, 10 us link latency) with:
 
-  - **latency of one layer's exchange** (``link_latency``): :data:`EXCHANGE_LATENCY_S` = 110 us
-    for each direction of every MoE layer's exchange, the EP64 all-to-all (dispatch, combine)
-    and the AFD transfer alike. Assumed from xDeepServe's published per-primitive times on the
-    same hardware (CloudMatrix384, 910C): dispatch / combine 20-140 us at EP128, A2E / E2A
-    172 / 193 us. The profile's 10 us is one small point-to-point message (XCCL P2P under
-    20 us); a whole exchange among 64-80 dies, synchronised, costs an order more.
+  - **latency of one layer's exchange** (``link_latency``): the profile's own value, taken as
+    shipped (:data:`EXCHANGE_LATENCY_S`), for each direction of every MoE layer's exchange, the
+    EP64 all-to-all (dispatch, combine) and the AFD transfer alike. A second, published value
+    is checked too: xDeepServe's per-primitive times of the AFD exchange on the same hardware
+    (CloudMatrix384, 910C), A2E / E2A 172 / 193 us, their mean
+    (:data:`PUBLISHED_EXCHANGE_LATENCY_S`, 182.5 us). Neither is chosen from the results.
   - **DSA's achieved bandwidth** (``kv_efficiency``): fitted to EP64's two published points
-    alone (:func:`fit_kv_efficiency`, about 0.06), never to an AFD row. The published
+    alone (:func:`fit_kv_efficiency`, about 0.05 at 10 us), never to an AFD row. The published
     16K -> 32K loss (EP64 -28 %) is five times what a bandwidth roofline of DSA predicts
-    (-5.6 %): the real indexer costs ~1.6 ns per cached token, layer and sequence.
+    (-5.6 %): the real indexer costs ~1.6 ns per cached token, layer and sequence. Because it
+    is fitted to them, EP64's two rates are not asserted (that would restate the fit); the AFD
+    rows are the out-of-sample check.
 
 * shape: DeepSeek-V3.2's public config (hidden 7168, 61 layers, first 3 dense, 256 routed
   experts top-8, 1 shared expert, moe_intermediate 2048, MLA as V3: 128 heads, q_lora 1536,
@@ -49,38 +51,36 @@ How DSA is modelled: per layer and decode token the lightning indexer reads the 
 MLA attention then reads the compressed latent (576 elements) of only ``min(context, 2048)``
 tokens, both at ``kv_efficiency`` of the memory bandwidth.
 
-What the model gets (tokens/s per die; ``python packages/afd-plan/benchmarks/published_910c.py``
-prints this and the sensitivity):
+What the model gets at the profile's latency (tokens/s per die;
+``python packages/afd-plan/benchmarks/published_910c.py`` prints this and the sensitivity):
 
 ============  ==========  ================  ================
 input         EP64        64:16             48:16
 ============  ==========  ================  ================
-16K           225.2       229.6 (+2.0 %)    217.8 (-3.3 %)
-32K           172.3       177.4 (+3.0 %)    166.4 (-3.5 %)
+16K           233.9       215.9 (-7.7 %)    202.4 (-13.5 %)
+32K           166.9       147.5 (-11.6 %)   138.3 (-17.1 %)
 ============  ==========  ================  ================
 
-The signs and the order of the three deployments are reproduced at both lengths; the margins
-are smaller than published (+2-3 % / -3.5 % against +9-11 % / -5-10 %). How sensitive:
+The published order is not reproduced: 64:16 rates under EP64 at both lengths. The known
+limitations, each a strict xfail asserting the published behaviour (a fix shows as XPASS):
 
-1. **The exchange latency decides it, in a narrow window.** With DSA refitted at each value,
-   the order holds at both lengths for a latency of 95-125 us only
-   (:func:`test_the_order_holds_only_inside_a_narrow_latency_window`). Below, 64:16 falls
-   under EP64 at 32K (the latency EP64 pays in series is what AFD's two stages hide); above,
-   48:16 rises over EP64 at 32K. With the profile's own 10 us and DSA at its roofline, 64:16
-   rates -35 %: its FFN dies stream 16 experts a layer (704 MB in INT8), four times an EP64
-   die's, and bind.
-2. **The window cannot be wide in any model of this kind.** In a model where removing
+1. **The order holds only in a narrow window of exchange latency.** With DSA refitted at each
+   value, the order holds at both lengths for a latency of about 95-125 us only (the
+   benchmark's sweep), a window neither independent value lies in. Below (the profile's
+   10 us), 64:16 falls under EP64 (the latency EP64 pays in series is what AFD's two stages
+   hide); above (the published 182.5 us), 48:16 rises over EP64 at 32K.
+2. **With the profile as shipped** (10 us, DSA at its roofline) 64:16 rates -35 %: its FFN
+   dies stream 16 experts a layer (704 MB in INT8), four times an EP64 die's, and bind.
+3. **The AFD rows miss the published rates** by 8-20 % (DSA fitted to EP64 alone).
+4. **48:16 against 64:16 is out of reach of a model of this kind.** In a model where removing
    Attention ranks never slows a step, per-die throughput is ``A * b / ((A + F) * TPOT)``, so
    ``X(48:16) / X(64:16) >= (48 / 64) / (64 / 80) = 0.9375``, while the published ratio is
    220.3 / 258.9 = 0.851 (the measured 48:16 step was 10 % slower than 64:16's with less FFN
-   work). The published order then needs 64:16's gain over EP64 inside (0, +6.7 %).
-3. **The other assumed inputs**, at 110 us: compute efficiency changes nothing (every role is
-   memory bound); link efficiency 0.5 keeps the order; memory efficiency 0.5 (against 0.8)
-   puts 64:16 7 % under EP64 at 16K; a per-peer message cost of 1-2 us (against 0.1 us) taxes
-   EP64's 63-peer all-to-all and lifts 48:16 over EP64 at 32K.
+   work).
 
-Absolute levels: the model's TPOT is 71 / 93 ms for EP64 (published 68.8 / 95.1 ms: 16 /
-throughput) and 98 / 126 ms for 64:16 (published 86.5 / 122.2 ms).
+Absolute levels at the profile's latency: the model's TPOT is 68 / 96 ms for EP64 (published
+68.8 / 95.1 ms: 16 / throughput, the fitted points) and 104 / 152 ms for 64:16 (published
+86.5 / 122.2 ms).
 """
 
 from __future__ import annotations
@@ -111,10 +111,13 @@ DEPLOYMENTS: dict[str, tuple[int, int, int]] = {
 }
 OUTPUT_LEN = 1024  # assumed
 LENGTHS = tuple(PUBLISHED)
-#: Assumed: one direction of one MoE layer's exchange among the run's dies (module docstring).
-EXCHANGE_LATENCY_S = 110e-6
-#: Where the published order holds at both lengths (DSA refitted at each latency).
-ORDER_WINDOW_S = (95e-6, 125e-6)
+#: One direction of one MoE layer's exchange: the shipped profile's value, not chosen here.
+EXCHANGE_LATENCY_S = load_profile("ascend-910c-die").link_latency
+#: The same from a published figure: the mean of xDeepServe's A2E / E2A times on 910C.
+PUBLISHED_EXCHANGE_LATENCY_S = (172e-6 + 193e-6) / 2
+#: How close to a published rate a prediction must come (the bound this check held EP64 to
+#: before EP64 became the fit's only data).
+TOLERANCE = 0.05
 #: The grid :func:`fit_kv_efficiency` searches: 0.0005 steps in (0, 0.3].
 KV_EFFICIENCY_STEP = 0.0005
 
@@ -200,15 +203,33 @@ def test_a_bf16_kv_cache_at_32k_is_refused_for_the_attention_role() -> None:
     assert err.value.role == "attention" and err.value.needed_bytes > hw.usable_memory
 
 
-def test_dsa_efficiency_fitted_to_ep64_alone_gives_ep64_within_5_percent(
-    model: dict[int, dict[str, float]],
+# Not asserted: EP64's two rates against the published ones. kv_efficiency is fitted to exactly
+# those two points, so the comparison would restate the fit; the AFD rows below are out of sample.
+
+ORDER_AT_THE_PROFILE_LATENCY = pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="limitation: the model reproduces the published order only for an exchange latency "
+    "of about 95-125 us; at the profile's 10 us (DSA fitted to EP64) 64:16 rates 8-12 % under "
+    "EP64: the latency EP64 pays in series is too small for AFD's two stages to pay",
+)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="limitation: with DSA fitted to EP64 alone, the model's AFD rows miss the published "
+    "ones by 8-20 % at the profile's latency (64:16 16-20 % under, 48:16 8-9 % under)",
+)
+@pytest.mark.parametrize("name", ["64:16", "48:16"])
+@pytest.mark.parametrize("input_len", LENGTHS)
+def test_dsa_fitted_to_ep64_alone_predicts_the_afd_rows(
+    model: dict[int, dict[str, float]], input_len: int, name: str
 ) -> None:
-    kv = fit_kv_efficiency(EXCHANGE_LATENCY_S)
-    assert 0.03 < kv < 0.1  # far below the 0.8 of a streaming read: DSA's indexer
-    for n in LENGTHS:
-        assert model[n]["EP64"] == pytest.approx(PUBLISHED[n]["EP64"], rel=0.05)
+    assert model[input_len][name] == pytest.approx(PUBLISHED[input_len][name], rel=TOLERANCE)
 
 
+@ORDER_AT_THE_PROFILE_LATENCY
 @pytest.mark.parametrize("input_len", LENGTHS)
 def test_published_signs_and_order(model: dict[int, dict[str, float]], input_len: int) -> None:
     row = model[input_len]
@@ -221,30 +242,44 @@ def test_ep64_rates_best_at_one_stage_and_afd_at_two() -> None:
         assert row["64:16"].candidate.stages == 2 and row["48:16"].candidate.stages == 2
 
 
-def test_the_order_holds_only_inside_a_narrow_latency_window() -> None:
-    lo, hi = ORDER_WINDOW_S
-    for latency in (lo, EXCHANGE_LATENCY_S, hi):
-        assert published_order(rates(predicted(run_profile(latency)))), latency
-    below = rates(predicted(run_profile(lo - 10e-6)))
-    assert below[32768]["64:16"] < below[32768]["EP64"]  # AFD's hiding no longer pays
-    above = rates(predicted(run_profile(hi + 10e-6)))
-    assert above[32768]["48:16"] > above[32768]["EP64"]  # EP64's serial exchange costs more
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="limitation: the model reproduces the published order only for an exchange latency "
+    "of about 95-125 us; at xDeepServe's published A2E/E2A latency (182.5 us, DSA fitted to "
+    "EP64) 48:16 rates over EP64 at 32K: EP64's serial exchange costs too much",
+)
+def test_the_published_order_holds_at_the_published_exchange_latency() -> None:
+    assert published_order(rates(predicted(run_profile(PUBLISHED_EXCHANGE_LATENCY_S))))
 
 
-def test_with_the_profile_as_shipped_the_physical_64_16_is_bound_by_its_ffn_dies() -> None:
-    preds = predicted(load_profile("ascend-910c-die"))
-    for row in preds.values():
-        assert row["64:16"].binding.startswith("ffn")
-        assert row["64:16"].tokens_per_s_per_device < 0.7 * row["EP64"].tokens_per_s_per_device
-
-
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="limitation: with the profile as shipped (10 us, DSA at its roofline) the physical "
+    "64:16 is bound by its FFN dies (16 experts a layer, four times an EP64 die's) and rates "
+    "~35 % under EP64",
+)
 @pytest.mark.parametrize("input_len", LENGTHS)
-def test_the_margins_are_out_of_reach_of_a_model_where_fewer_attention_ranks_never_slow_a_step(
+def test_the_published_order_holds_with_the_profile_as_shipped(input_len: int) -> None:
+    shape = shape_from_config(DEEPSEEK_V32)
+    hw = load_profile("ascend-910c-die")
+    row = {d: best(shape, hw, input_len, d).tokens_per_s_per_device for d in DEPLOYMENTS}
+    assert row["64:16"] > row["EP64"] > row["48:16"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="limitation: in the model fewer Attention ranks never slow a step, so 48:16 keeps "
+    ">= (48/64)/(64/80) = 0.9375 of 64:16's per-die rate; the published runs kept 0.851 (16K) "
+    "and 0.826 (32K)",
+)
+@pytest.mark.parametrize("input_len", LENGTHS)
+def test_48_16_against_64_16_matches_the_published_ratio(
     model: dict[int, dict[str, float]], input_len: int
 ) -> None:
-    # Removing Attention ranks never slows a step, so 48:16 keeps >= 48/64 / (64/80) of
-    # 64:16's per-die rate; the published runs kept 0.851.
-    row = model[input_len]
-    assert row["48:16"] / row["64:16"] >= (48 / 64) / (64 / 80) - 1e-12
-    published = PUBLISHED[input_len]
-    assert published["48:16"] / published["64:16"] < (48 / 64) / (64 / 80)
+    row, published = model[input_len], PUBLISHED[input_len]
+    assert row["48:16"] / row["64:16"] == pytest.approx(
+        published["48:16"] / published["64:16"], rel=TOLERANCE
+    )
