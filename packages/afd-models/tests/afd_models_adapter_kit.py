@@ -9,23 +9,27 @@
   same module) is put in ``sys.modules`` for the duration of the import and removed after it.
   The text model never calls either. Guarded: vLLM 0.32.x only; a different failure re-raises.
 * :func:`write_checkpoint` writes a config and random safetensors weights (checkpoint names).
-* :class:`InProcessConnector` runs the FFN-role model in-process behind the Attention role's
-  ``afd::remote_ffn*`` ops (payload fields checked against the spec, ``input_ids`` included);
-  :class:`InProcessExpertParallelConnector` runs several expert-parallel FFN ranks' models.
+* :class:`ServedFFN` serves FFN-role models with afd-runtime's ``FFNService`` on threads, reached
+  by the Attention role's ``afd::remote_ffn*`` ops through afd-core's in-process connector (one
+  or several expert-parallel FFN ranks).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import sys
+import threading
+import time
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from afd_core.config import AFDConfig
-from afd_core.connector import AFDConnectorBase, AFDTransferHandle
+from afd_core.metadata import AFDControlMessage
 from afd_core.testing import free_port
 
 _VISION_MODULE = "transformers.models.qwen2_vl.image_processing_qwen2_vl"
@@ -111,107 +115,123 @@ def load(path: Path, afd: dict[str, Any] | None, **kw: Any) -> tuple[Any, Any]:
         return cfg, get_model(vllm_config=cfg)
 
 
-class InProcessConnector(AFDConnectorBase):
-    """An afd-core connector that runs the FFN-role model in-process (no transport)."""
+#: vLLM's forward context and current config are process globals: with both roles (and several
+#: FFN ranks) as threads of one process, one FFN compute runs at a time, each in its own context.
+_COMPUTE_LOCK = threading.Lock()
 
-    name = "test-in-process"
 
-    def __init__(self, attn_model: Any, ffn_cfg: Any, ffn_model: Any) -> None:
-        afd = AFDConfig.from_mapping({"role": "attention", "port": 1})
-        super().__init__(afd, payload_spec=attn_model.afd_payload_spec, num_layers=64)
-        self.ffn_cfg = ffn_cfg
-        self.ffn_model = ffn_model
-        self.layers: list[int] = []
+class _OneAtATime:
+    """An FFN rank's compute (the one the FFN worker selects) called one call at a time in this
+    process, each call in its own vLLM forward context (no per-step scope: a step scope would
+    hold the process-global context while the Attention thread runs); records each call."""
+
+    def __init__(self, compute: Any) -> None:
+        self._compute = compute
+        self.calls: list[tuple[int, int]] = []  # (layer, rows)
         self.input_ids: list[torch.Tensor] = []
 
-    def init(self) -> None:
-        pass
+    def __call__(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        logits: torch.Tensor | None,
+        topk: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kw: Any,
+    ) -> torch.Tensor:
+        with _COMPUTE_LOCK:
+            self.calls.append((layer, int(hidden.shape[0])))
+            if kw.get("input_ids") is not None:
+                self.input_ids.append(kw["input_ids"].clone())
+            out: torch.Tensor = self._compute(layer, hidden, logits, topk, **kw)
+            return out
 
-    def close(self) -> None:
-        pass
 
-    @property
-    def is_initialized(self) -> bool:
-        return True
+class ServedFFN:
+    """FFN-role model(s) served by afd-runtime's :class:`~afd_runtime.ffn_service.FFNService`
+    (one service thread per FFN rank, its compute the worker's ``select_ffn_compute``), reached
+    from the test's Attention-role model through afd-core's in-process connector: the real
+    handshake (both roles' payload specs and AFD settings must agree), control message,
+    dispatch, combine and goodbye. Each step serves ``layers`` in order.
 
-    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
-        for payload, n in zip(payloads, metadata.num_tokens, strict=True):
-            self.payload_spec.validate_payload(payload, n, "cpu")
-            if payload.input_ids is not None:
-                self.input_ids.append(payload.input_ids.clone())
-        self.layers.append(metadata.layer_idx)
-        return AFDTransferHandle(metadata, list(payloads), id(self))
+    ``ranks``: ``(vllm_config, ffn_model)`` per FFN rank, loaded with an FFN-role AFD config.
+    ``with ffn.step(n) as connector`` announces one step of ``n`` tokens; the block runs the
+    Attention side (``AFDForwardMetadata(connector=connector, ...)``); on leaving it, every FFN
+    rank has finished the step (a service failure is raised). Leaving the ``with`` says goodbye
+    and stops the services (none may have failed).
+    """
 
-    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
-        from afd_runtime.compute import NativeFusedMoECompute
+    def __init__(
+        self, attn_spec: Any, ranks: list[tuple[Any, Any]], layers: tuple[int, ...]
+    ) -> None:
+        from afd_core.connector import create_connector
+        from afd_models.models._common import afd_config_of
+        from afd_runtime.compute import select_ffn_compute
+        from afd_runtime.ffn_service import FFNService
         from afd_runtime.workers.base import _vllm_forward_context
 
-        handle.consume()
-        compute = NativeFusedMoECompute(
-            self.ffn_model, lambda n: _vllm_forward_context(self.ffn_cfg, n)
-        )
-        outs = []
-        for payload in handle.state:
-            kw = {} if payload.input_ids is None else {"input_ids": payload.input_ids}
-            outs.append(
-                compute(
-                    handle.metadata.layer_idx, payload.hidden_states, payload.router_logits, **kw
+        port = free_port()  # names this in-process world; nothing listens there
+        local = {"connector": "inprocess", "port": port, "timeout_s": 60.0}
+        local["startup_timeout_s"] = 60.0
+        num_layers = max(max(m.afd_moe_layer_indices) for _, m in ranks) + 1
+        self.computes: list[_OneAtATime] = []
+        self.services: list[Any] = []
+        first: AFDConfig | None = None
+        for f, (cfg, model) in enumerate(ranks):
+            afd = afd_config_of(cfg)
+            assert afd is not None and afd.ffn_rank == f, afd
+            afd = AFDConfig.from_mapping({**afd.to_mapping(), **local})
+            first = first or afd
+            compute = _OneAtATime(
+                select_ffn_compute(
+                    afd, model, lambda n, c=cfg: _vllm_forward_context(c, n), ffn_rank=f
                 )
             )
-        return outs
 
-    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
-        raise NotImplementedError
+            def factory(
+                afd: AFDConfig = afd, f: int = f, spec: Any = model.afd_payload_spec
+            ) -> Any:
+                return create_connector(afd, f, payload_spec=spec, num_layers=num_layers)
 
-    def send_combine(self, outputs: Any, metadata: Any) -> None:
-        raise NotImplementedError
+            self.computes.append(compute)
+            self.services.append(FFNService(afd, f, layers, compute, factory))
+        assert first is not None
+        attention = {**first.to_mapping(), "role": "attention", "ffn_rank": 0}
+        self.connector = create_connector(
+            AFDConfig.from_mapping(attention), 0, payload_spec=attn_spec, num_layers=num_layers
+        )
 
+    def __enter__(self) -> ServedFFN:
+        for svc in self.services:
+            svc.start()
+        try:
+            self.connector.init()  # pairs with every service's connector
+        except BaseException:
+            self._stop()
+            raise
+        return self
 
-class InProcessExpertParallelConnector(AFDConnectorBase):
-    """Expert-parallel afd-core connector running every FFN rank's model in-process on the
-    payload dispatched to it (hidden states and the global top-k); ``counts`` records each
-    dispatch's per-rank token counts."""
+    def __exit__(self, *exc: Any) -> None:
+        if self.connector.is_initialized:
+            self.connector.send_control(AFDControlMessage.shutdown_message())
+        self.connector.close()
+        self._stop()
+        for svc in self.services:
+            svc.raise_if_failed()
 
-    name = "test-in-process-ep"
+    def _stop(self) -> None:
+        for svc in self.services:
+            svc.stop()
 
-    def __init__(self, attn_cfg: Any, attn_model: Any, ranks: list[tuple[Any, Any]]) -> None:
-        from afd_models.models._common import afd_config_of
-
-        spec = attn_model.afd_payload_spec
-        super().__init__(afd_config_of(attn_cfg), payload_spec=spec, num_layers=8)
-        self.ranks = ranks
-        self.counts: list[tuple[int, ...]] = []
-
-    def init(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
-        self.counts.append(tuple(metadata.num_tokens))
-        return AFDTransferHandle(metadata, list(payloads), id(self))
-
-    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
-        from afd_runtime.workers.base import _vllm_forward_context
-
-        handle.consume()
-        layer, outs = handle.metadata.layer_idx, []
-        for (cfg, model), p in zip(self.ranks, handle.state, strict=True):
-            if p.hidden_states.shape[0] == 0:
-                outs.append(p.hidden_states)
-                continue
-            topk = (p.topk_weights, p.topk_ids)
-            with _vllm_forward_context(cfg, p.hidden_states.shape[0]):
-                outs.append(model.afd_ffn_forward(layer, p.hidden_states, None, topk))
-        return outs
-
-    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
-        raise NotImplementedError
-
-    def send_combine(self, outputs: Any, metadata: Any) -> None:
-        raise NotImplementedError
+    @contextlib.contextmanager
+    def step(self, num_tokens: int, bound_s: float = 120.0) -> Iterator[Any]:
+        before = [svc.stats.steps for svc in self.services]
+        self.connector.send_control(AFDControlMessage(((num_tokens,),)))
+        yield self.connector
+        deadline = time.monotonic() + bound_s
+        while any(s.stats.steps == b for s, b in zip(self.services, before, strict=True)):
+            for svc in self.services:
+                svc.raise_if_failed()
+            assert time.monotonic() < deadline, (
+                f"the FFN ranks did not finish the step in {bound_s}s"
+            )
+            time.sleep(0.005)

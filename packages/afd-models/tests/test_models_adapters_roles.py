@@ -9,8 +9,8 @@ Checked, all exactly (``torch.equal``):
   the FFN side, the gate on FFN);
 * every role parameter equals the plain model's parameter of the same name, and the two roles
   together hold exactly the plain model's parameters;
-* one MoE layer computed the AFD way (Attention block, FFN block through an in-process exchange)
-  equals the plain model's block.
+* one MoE layer computed the AFD way (Attention block; the FFN model served by the runtime's FFN
+  service over afd-core's in-process connector) equals the plain model's block.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import torch
 pytest.importorskip("vllm")
 
 from afd_core.config import AFDConfig, AFDRole
-from afd_core.connector import AFDConnectorBase, AFDTransferHandle
 from afd_core.forward_context import AFDForwardMetadata, set_afd_forward_metadata
 from afd_core.testing import free_port
 from afd_models.demo.published import PublishedSpec, ensure_published_checkpoint
@@ -172,57 +171,6 @@ def test_roles_partition_the_plain_parameters_exactly(
     assert delta == (-gate_bytes if gate_on_attention else gate_bytes)
 
 
-class _InProcessConnector(AFDConnectorBase):
-    """An afd-core connector that runs the FFN-role model in-process (no transport)."""
-
-    name = "test-in-process"
-
-    def __init__(self, attn_model: Any, ffn_cfg: Any, ffn_model: Any) -> None:
-        afd = AFDConfig.from_mapping({"role": "attention", "port": 1})
-        super().__init__(afd, payload_spec=attn_model.afd_payload_spec, num_layers=8)
-        self.ffn_cfg = ffn_cfg
-        self.ffn_model = ffn_model
-        self.layers: list[int] = []
-        self._pending: dict[int, Any] = {}
-
-    def init(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    def send_dispatch(self, payloads: Any, metadata: Any) -> AFDTransferHandle:
-        for payload, n in zip(payloads, metadata.num_tokens, strict=True):
-            self.payload_spec.validate_payload(payload, n, "cpu")
-        self.layers.append(metadata.layer_idx)
-        handle = AFDTransferHandle(metadata, list(payloads), id(self))
-        return handle
-
-    def recv_combine(self, handle: AFDTransferHandle) -> list[torch.Tensor]:
-        from afd_runtime.workers.base import _vllm_forward_context
-
-        handle.consume()
-        outs = []
-        for payload, n in zip(handle.state, handle.metadata.num_tokens, strict=True):
-            with _vllm_forward_context(self.ffn_cfg, n):
-                outs.append(
-                    self.ffn_model.afd_ffn_forward(
-                        handle.metadata.layer_idx, payload.hidden_states, payload.router_logits
-                    )
-                )
-        return outs
-
-    def recv_dispatch(self, layer_idx: int, stage_idx: int) -> tuple[Any, list[Any]]:
-        raise NotImplementedError
-
-    def send_combine(self, outputs: Any, metadata: Any) -> None:
-        raise NotImplementedError
-
-
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("gate_on_attention", [False, True])
 def test_afd_moe_layer_equals_plain_layer(
@@ -242,11 +190,13 @@ def test_afd_moe_layer_equals_plain_layer(
     with torch.inference_mode():
         with _vllm_forward_context(plain_cfg, n):
             want = plain.model.layers[layer].mlp(hidden.clone())
-        connector = _InProcessConnector(attn, ffn_cfg, ffn)
-        meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
-        with set_afd_forward_metadata(meta):
-            got = attn.model.layers[layer].mlp(hidden.clone())
-    assert connector.layers == [layer]
+        # The FFN role's model served by the runtime's FFN service, over the in-process connector.
+        served = kit.ServedFFN(attn.afd_payload_spec, [(ffn_cfg, ffn)], (layer,))
+        with served, served.step(n) as connector:
+            meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
+            with set_afd_forward_metadata(meta):
+                got = attn.model.layers[layer].mlp(hidden.clone())
+    assert served.computes[0].calls == [(layer, n)]
     assert torch.equal(got, want)
     if family == "deepseek_v3":
         # The comparison sees the correction bias: without it the plain layer picks other
@@ -370,11 +320,17 @@ def test_expert_parallel_ranks_hold_their_experts_and_match_the_plain_layer(
     with torch.inference_mode():
         with _vllm_forward_context(plain_cfg, 9):
             want = plain.model.layers[layer].mlp(hidden.clone())
-        connector = kit.InProcessExpertParallelConnector(attn_cfg, attn, ffns)
-        meta = AFDForwardMetadata(connector=connector, num_tokens=(9,))
-        with set_afd_forward_metadata(meta), _vllm_forward_context(attn_cfg, 9):
-            got = attn.model.layers[layer].mlp(hidden.clone())
-    assert len(connector.counts) == 1 and sum(connector.counts[0]) >= 9
+        # Two FFN services (one per rank) over the in-process connector.
+        served = kit.ServedFFN(attn.afd_payload_spec, ffns, (layer,))
+        with served, served.step(9) as connector:
+            meta = AFDForwardMetadata(connector=connector, num_tokens=(9,))
+            with set_afd_forward_metadata(meta), _vllm_forward_context(attn_cfg, 9):
+                got = attn.model.layers[layer].mlp(hidden.clone())
+    # One step: each rank computed its share of the layer at most once (an empty share runs
+    # nothing), and every token reached a rank.
+    calls = [c.calls for c in served.computes]
+    assert all(len(rank) <= 1 and {ly for ly, _ in rank} <= {layer} for rank in calls), calls
+    assert sum(rows for rank in calls for _, rows in rank) >= 9
     # Same experts, same weights; only the order of the two ranks' partial sums differs.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 

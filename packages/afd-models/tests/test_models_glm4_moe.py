@@ -291,11 +291,14 @@ def test_afd_moe_layer_equals_plain_layer(models: Models, gate_on_attention: boo
         with torch.inference_mode():
             with _vllm_forward_context(plain_cfg, n):
                 want = plain.model.layers[layer].mlp(hidden.clone())
-            connector = kit.InProcessConnector(attn, ffn_cfg, ffn)
-            with set_afd_forward_metadata(AFDForwardMetadata(connector=connector, num_tokens=(n,))):
-                got = attn.model.layers[layer].mlp(hidden.clone())
+            # The FFN role's model served by the runtime's FFN service (in-process connector).
+            served = kit.ServedFFN(attn.afd_payload_spec, [(ffn_cfg, ffn)], (layer,))
+            with served, served.step(n) as connector:
+                meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
+                with set_afd_forward_metadata(meta):
+                    got = attn.model.layers[layer].mlp(hidden.clone())
             assert _bias_matters(plain_cfg, plain.model.layers[layer].mlp, hidden, want)
-        assert connector.layers == [layer]
+        assert served.computes[0].calls == [(layer, n)]
         assert want.abs().max() > 0
         assert torch.equal(got, want)
     # Routed scaling is applied exactly once: by the Attention block (the MoERunner rule),
@@ -344,11 +347,14 @@ def test_expert_parallel_routes_on_attention_with_the_correction_bias(
         with torch.inference_mode():
             with _vllm_forward_context(plain_cfg, n):
                 want = plain.model.layers[layer].mlp(hidden.clone())
-            connector = kit.InProcessExpertParallelConnector(attn_cfg, attn, ranks)
-            meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
-            with set_afd_forward_metadata(meta), _vllm_forward_context(attn_cfg, n):
-                got = mlp(hidden.clone())
-        assert len(connector.counts) == 1 and sum(connector.counts[0]) >= n
+            served = kit.ServedFFN(attn.afd_payload_spec, ranks, (layer,))
+            with served, served.step(n) as connector:
+                meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
+                with set_afd_forward_metadata(meta), _vllm_forward_context(attn_cfg, n):
+                    got = mlp(hidden.clone())
+        calls = [c.calls for c in served.computes]
+        assert all(len(rank) <= 1 and {ly for ly, _ in rank} <= {layer} for rank in calls), calls
+        assert sum(rows for rank in calls for _, rows in rank) >= n
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
@@ -399,10 +405,11 @@ def test_mtp_drafter_and_ffn_partition_the_plain_drafter(
         with _vllm_forward_context(plain_cfg, n):
             expected = plain.model.layers[str(DRAFT)].mtp_block.mlp(hidden.clone())
         # The drafter sends what the target model sends (the connector reads its spec).
-        connector = kit.InProcessConnector(
-            models[("attention", gate_on_attention)][1], ffn_cfg, ffn
-        )
-        with set_afd_forward_metadata(AFDForwardMetadata(connector=connector, num_tokens=(n,))):
-            got = block(hidden.clone())
-    assert connector.layers == [DRAFT]
+        spec = models[("attention", gate_on_attention)][1].afd_payload_spec
+        served = kit.ServedFFN(spec, [(ffn_cfg, ffn)], (DRAFT,))
+        with served, served.step(n) as connector:
+            meta = AFDForwardMetadata(connector=connector, num_tokens=(n,))
+            with set_afd_forward_metadata(meta):
+                got = block(hidden.clone())
+    assert served.computes[0].calls == [(DRAFT, n)]
     assert torch.equal(got, expected)

@@ -226,9 +226,12 @@ def test_afd_moe_layer_equals_plain_layer(
         with torch.inference_mode():
             with _vllm_forward_context(plain_cfg, 7):
                 want = plain.model.layers[layer].mlp(hidden.clone())
-            connector = kit.InProcessConnector(attn, ffn_cfg, ffn)
-            with set_afd_forward_metadata(AFDForwardMetadata(connector=connector, num_tokens=(7,))):
-                got = attn.model.layers[layer].mlp(hidden.clone())
-        assert connector.layers == [layer]
+            # The FFN role's model served by the runtime's FFN service (in-process connector).
+            served = kit.ServedFFN(attn.afd_payload_spec, [(ffn_cfg, ffn)], (layer,))
+            with served, served.step(7) as connector:
+                meta = AFDForwardMetadata(connector=connector, num_tokens=(7,))
+                with set_afd_forward_metadata(meta):
+                    got = attn.model.layers[layer].mlp(hidden.clone())
+        assert served.computes[0].calls == [(layer, 7)]
         assert want.abs().max() > 0
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

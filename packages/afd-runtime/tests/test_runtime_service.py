@@ -3,7 +3,6 @@ process, no gloo: what is tested is the service, not the transport)."""
 
 from __future__ import annotations
 
-import itertools
 import queue
 import sys
 import threading
@@ -15,13 +14,11 @@ from typing import Any
 import pytest
 from afd_core.config import AFDConfig
 from afd_core.errors import AFDModelError
+from afd_core.testing import free_port
 from afd_runtime.ffn_service import FFNService
 
 sys.path.insert(0, str(Path(__file__).parent))
 import afd_runtime_service_ranks as ranks
-
-#: In-process worlds are named by host:port; nothing listens there.
-_ports = itertools.count(7300)
 
 
 class _Ctx:
@@ -33,10 +30,6 @@ class _Ctx:
     @staticmethod
     def Process(target: Callable[..., Any], args: tuple[Any, ...]) -> threading.Thread:
         return threading.Thread(target=target, args=args, daemon=True)
-
-
-def free_port() -> int:
-    return next(_ports)
 
 
 def _run(
@@ -282,7 +275,7 @@ def test_draft_layers_must_be_served_layers() -> None:
     from afd_core.errors import AFDModelError
     from afd_runtime.ffn_service import FFNService
 
-    cfg = ranks.config("ffn", 1239)
+    cfg = ranks.config("ffn", free_port())
     with pytest.raises(AFDModelError) as info:
         FFNService(cfg, 0, (1, 3), lambda *a: a[1], lambda: None, draft_layer_indices=(4,))
     assert info.value.field == "draft_layer_indices"
@@ -333,9 +326,27 @@ def test_stop_ends_an_ffn_service_waiting_for_its_attention_role() -> None:
     thread ended, without an error (before, it returned at once and left the thread waiting
     inside the store client until the process exited)."""
     cfg = ranks.config("ffn", free_port(), startup_timeout_s=60.0, connector="p2p")
-    svc = FFNService(cfg, 0, ranks.LAYERS, lambda *a: a[1], lambda: ranks.connector(cfg, 0))
+    thread: list[int] = []
+
+    def factory() -> Any:
+        thread.append(threading.get_ident())  # the service thread builds its connectors
+        return ranks.connector(cfg, 0)
+
+    def in_rendezvous() -> bool:
+        """The service thread is inside its connector's rendezvous (the store wait)."""
+        frame = sys._current_frames().get(thread[0]) if thread else None
+        while frame is not None:
+            if frame.f_code.co_name == "_rendezvous":
+                return True
+            frame = frame.f_back
+        return False
+
+    svc = FFNService(cfg, 0, ranks.LAYERS, lambda *a: a[1], factory)
     svc.start()
-    time.sleep(1.5)
+    deadline = time.monotonic() + 30.0
+    while not in_rendezvous():
+        assert time.monotonic() < deadline, "the service thread never reached the store wait"
+        time.sleep(0.01)
     t0 = time.monotonic()
     svc.stop()
     assert svc.wait(0.0), "stop() returned with the service thread still waiting"
