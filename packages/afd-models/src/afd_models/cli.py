@@ -41,6 +41,8 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -311,19 +313,22 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", type=Path, default=None, help="write tokens/s per device vs A:F")
 
     tiny = sub.add_parser("tiny", help="build a tiny checkpoint and print its directory")
-    tiny.add_argument("--family", choices=FAMILIES, default="qwen3_moe")
+    tiny.add_argument(
+        "--family", choices=FAMILIES, default=None, help="tiny model family (default qwen3_moe)"
+    )
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument(
         "--width",
         choices=("tiny", "wide"),
-        default="tiny",
-        help="wide: Qwen3-MoE at hidden 1024 (96 MiB of experts per MoE layer)",
+        default=None,
+        help="wide: Qwen3-MoE at hidden 1024 (96 MiB of experts per MoE layer; default tiny)",
     )
     tiny.add_argument(
         "--mtp-layers",
         type=int,
-        default=0,
-        help="DeepSeek-V3 multi-token-prediction layers (speculative decoding with deepseek_mtp)",
+        default=None,
+        help="DeepSeek-V3 multi-token-prediction layers (speculative decoding with deepseek_mtp; "
+        "default 0)",
     )
     tiny.add_argument(
         "--published",
@@ -349,6 +354,17 @@ def build_parser() -> argparse.ArgumentParser:
 def _positive(parser: argparse.ArgumentParser, flag: str, value: float) -> None:
     if value <= 0:
         parser.error(f"{flag}={value!r} must be > 0")
+    if not math.isfinite(value):
+        parser.error(f"{flag}={value!r} must be a finite number > 0")
+
+
+def _mtp_layers(model: Path) -> int:
+    """``num_nextn_predict_layers`` of ``model``'s ``config.json`` (0 when absent or unreadable)."""
+    try:
+        config = json.loads((model / "config.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(config.get("num_nextn_predict_layers") or 0) if isinstance(config, dict) else 0
 
 
 def parse_demo_config(argv: Sequence[str]) -> DemoConfig:
@@ -390,6 +406,12 @@ def demo_config_from_namespace(
         parser.error(
             f"--speculative={ns.speculative!r} needs --family deepseek_v3 (the tiny checkpoint "
             "whose MTP layer drafts) or a --model with MTP layers"
+        )
+    if ns.speculative and ns.model is not None and _mtp_layers(ns.model) < 1:
+        parser.error(
+            f"--speculative={ns.speculative!r} needs a --model with MTP layers; "
+            f"{str(ns.model)!r} declares num_nextn_predict_layers="
+            f"{_mtp_layers(ns.model)} in its config.json"
         )
     if ns.ffn_ranks > 1 and ns.gate != "attention":
         parser.error(
@@ -683,11 +705,29 @@ def _tiny(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> Path:
             parser.error("afd tiny: --no-mtp-weights and --dequantized need --published KEY")
         try:
             spec = TinySpec(
-                family=ns.family, seed=ns.seed, width=ns.width, mtp_layers=ns.mtp_layers
+                family=ns.family or "qwen3_moe",
+                seed=ns.seed,
+                width=ns.width or "tiny",
+                mtp_layers=ns.mtp_layers or 0,
             )
         except ValueError as e:
             parser.error(f"afd tiny: {e}")
         return ensure_tiny_checkpoint(spec, ns.cache_dir)
+    given = [
+        flag
+        for flag, value in (
+            ("--family", ns.family),
+            ("--width", ns.width),
+            ("--mtp-layers", ns.mtp_layers),
+        )
+        if value is not None
+    ]
+    if given:
+        parser.error(
+            f"afd tiny --published {ns.published}: {', '.join(given)} shape the tiny builder's "
+            "checkpoints, not a published config (its sizes are scaled, its MTP layers are the "
+            "config's); allowed with --published: --seed, --no-mtp-weights, --dequantized"
+        )
     try:
         published = PublishedSpec(
             ns.published,
