@@ -12,6 +12,7 @@ pytest.importorskip("tokenizers")
 pytest.importorskip("safetensors")
 
 from afd_models.demo.tiny import (
+    CORPUS,
     CORRECTION_BIAS_SUFFIX,
     DEMO_PROMPTS,
     TinySpec,
@@ -249,3 +250,103 @@ def test_mtp_layer_tensors_follow_the_decoder_layers() -> None:
     plain = tensor_shapes(model_config(TinySpec("deepseek_v3"), 100))
     assert not any(k.startswith(p) for k in plain)
     assert set(plain) < set(shapes)
+
+
+@pytest.fixture(scope="module")
+def mtp_dirs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """DeepSeek-V3 with one MTP layer: random draft weights and ``draft="accepting"``."""
+    cache = tmp_path_factory.mktemp("cache")
+    random = ensure_tiny_checkpoint(TinySpec("deepseek_v3", mtp_layers=1), cache)
+    accepting = ensure_tiny_checkpoint(
+        TinySpec("deepseek_v3", mtp_layers=1, draft="accepting"), cache
+    )
+    return random, accepting
+
+
+def test_accepting_draft_spec_hash_name_and_refusals() -> None:
+    default = TinySpec("deepseek_v3", mtp_layers=1)
+    accepting = TinySpec("deepseek_v3", mtp_layers=1, draft="accepting")
+    assert default.draft == "random"
+    assert spec_hash(accepting) != spec_hash(default)
+    # The default spec's cache key is the one checkpoints were cached under before the option.
+    assert spec_hash(default) == "81e92d36a8b4ae08"
+    with pytest.raises(ValueError, match=r"TinySpec\.draft='accepting' with mtp_layers=0"):
+        TinySpec("deepseek_v3", draft="accepting")
+    with pytest.raises(ValueError, match=r"TinySpec\.draft='copy'"):
+        TinySpec("deepseek_v3", mtp_layers=1, draft="copy")  # type: ignore[arg-type]
+
+
+def test_accepting_draft_changes_only_the_intended_tensors(mtp_dirs: tuple[Path, Path]) -> None:
+    from afd_models.demo.tiny import (
+        ACCEPTING_DRAFT_BLOCK_SCALE,
+        ACCEPTING_HIDDEN_SCALE,
+        ACCEPTING_TARGET_SCALE,
+    )
+
+    random_dir, accepting_dir = mtp_dirs
+    assert "-accepting-" in accepting_dir.name and "-accepting-" not in random_dir.name
+    for name in ("config.json", "tokenizer.json", "generation_config.json"):
+        assert (random_dir / name).read_bytes() == (accepting_dir / name).read_bytes(), name
+    r, a = _v3_tensors(random_dir), _v3_tensors(accepting_dir)
+    assert set(r) == set(a)
+    cfg = json.loads((random_dir / "config.json").read_text())
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    p = f"model.layers.{n}."
+    changed = set()
+    for name in sorted(r):
+        if torch.equal(r[name], a[name]):
+            continue
+        changed.add(name)
+        layer = int(name.split(".")[2]) if name.startswith("model.layers.") else -1
+        if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+            scale = ACCEPTING_TARGET_SCALE if layer < n else ACCEPTING_DRAFT_BLOCK_SCALE
+            torch.testing.assert_close(a[name], r[name] * scale)
+            assert float(a[name].abs().max()) > 0.0, name  # small, never zero
+    # Every decoder layer's output projections, the MTP block's included, and nothing else
+    # of the decoder layers.
+    scaled = {x for x in changed if x.endswith(("o_proj.weight", "down_proj.weight"))}
+    assert {int(x.split(".")[2]) for x in scaled} == set(range(n + 1))
+    assert any(".experts.0.down_proj" in x for x in scaled)
+    assert any("shared_experts.down_proj" in x for x in scaled)
+    assert "model.layers.0.mlp.down_proj.weight" in scaled
+    assert changed - scaled == {p + "eh_proj.weight", p + "shared_head.head.weight"}
+    # eh_proj: the identity on the embedding half, the random matrix scaled on the hidden half.
+    eh = a[p + "eh_proj.weight"]
+    assert torch.equal(eh[:, :h], torch.eye(h))
+    torch.testing.assert_close(eh[:, h:], r[p + "eh_proj.weight"][:, h:] * ACCEPTING_HIDDEN_SCALE)
+    # The shared head is the target's: the same norm (ones) and a copy of lm_head.
+    assert torch.equal(a[p + "shared_head.head.weight"], a["lm_head.weight"])
+    for norm in ("shared_head.norm", "enorm", "hnorm"):
+        assert torch.equal(a[p + norm + ".weight"], a["model.norm.weight"]), norm
+    assert torch.equal(a[p + "embed_tokens.weight"], a["model.embed_tokens.weight"])
+
+
+def test_accepting_draft_target_is_near_the_bigram_the_draft_predicts(
+    mtp_dirs: tuple[Path, Path],
+) -> None:
+    """The target's next token (transformers, at every position of the demo prompts and the
+    corpus as one text) is mostly the bigram
+    ``argmax lm_head(norm(embed(t)))`` of the current token ``t``, which the draft layer predicts
+    when its block is ignored; with random weights it (nearly) never is. The layers still change
+    some tokens, so the target is not a pure bigram."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    def rms(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
+
+    rates = []
+    for path in mtp_dirs:
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        tok = AutoTokenizer.from_pretrained(path)
+        t = _v3_tensors(path)
+        p = f"model.layers.{model.config.num_hidden_layers}."
+        eh, head = t[p + "eh_proj.weight"], t[p + "shared_head.head.weight"]
+        h = model.config.hidden_size
+        seq = tok(" ".join((*DEMO_PROMPTS, *CORPUS)), return_tensors="pt").input_ids[0]
+        with torch.no_grad():
+            target = model(seq[None]).logits[0].argmax(-1)
+        draft = rms(rms(t["model.embed_tokens.weight"][seq]) @ eh[:, :h].T) @ head.T
+        rates.append(float((draft.argmax(-1) == target).float().mean()))
+    random_rate, accepting_rate = rates
+    assert random_rate < 0.1, rates
+    assert 0.4 < accepting_rate < 0.95, rates

@@ -36,10 +36,12 @@ import torch
 TinyFamily = Literal["qwen3_moe", "deepseek_v2", "deepseek_v3"]
 TinyDType = Literal["float32", "bfloat16"]
 TinyWidth = Literal["tiny", "wide"]
+TinyDraft = Literal["random", "accepting"]
 
 FAMILIES: Final[tuple[str, ...]] = get_args(TinyFamily)
 DTYPES: Final[tuple[str, ...]] = get_args(TinyDType)
 WIDTHS: Final[tuple[str, ...]] = get_args(TinyWidth)
+DRAFTS: Final[tuple[str, ...]] = get_args(TinyDraft)
 #: ``width="wide"`` (Qwen3-MoE only): hidden 1024, 16 query heads of 64 over 4 KV heads, experts
 #: of 1024: 96 MiB of float32 routed experts per MoE layer, so a decode step's FFN work is bound by
 #: reading expert weights as a real model's is (the tiny width is bound by per-call overhead).
@@ -59,6 +61,16 @@ GENERATOR_VERSION: Final[int] = 2
 #: Name suffix and spread of DeepSeek-V3's ``noaux_tc`` routing bias (tiny ``deepseek_v3`` only).
 CORRECTION_BIAS_SUFFIX: Final[str] = "mlp.gate.e_score_correction_bias"
 CORRECTION_BIAS_STD: Final[float] = 0.25
+
+#: ``draft="accepting"``: the target's decoder layers add their attention and MLP outputs scaled
+#: by this (``o_proj`` and every ``down_proj``), so the final hidden state is dominated by the
+#: current token's embedding and the next token is nearly a function of the current one.
+ACCEPTING_TARGET_SCALE: Final[float] = 0.1
+#: ``draft="accepting"``: the same for the draft (MTP) layer's own decoder block.
+ACCEPTING_DRAFT_BLOCK_SCALE: Final[float] = 0.1
+#: ``draft="accepting"``: scale of ``eh_proj``'s hidden-state half (its embedding half is the
+#: identity), so the draft still reads the target's hidden state, a little.
+ACCEPTING_HIDDEN_SCALE: Final[float] = 0.1
 
 #: Default cache root; override with ``AFD_TINY_CACHE`` or an explicit ``cache_dir``.
 DEFAULT_CACHE_ENV: Final[str] = "AFD_TINY_CACHE"
@@ -112,6 +124,11 @@ class TinySpec:
     decoder layers (``num_nextn_predict_layers``), for speculative decoding with
     ``deepseek_mtp``: each is a full MoE decoder layer plus ``enorm``, ``hnorm``, ``eh_proj`` and
     a shared head, named ``model.layers.<num_hidden_layers + i>.*`` as in DeepSeek's checkpoints.
+
+    ``draft`` (with ``mtp_layers``): ``"random"`` (the default) writes random MTP weights, whose
+    guesses the target (nearly) never accepts; ``"accepting"`` writes weights whose drafts the
+    target mostly accepts (see :func:`accepting_draft_tensors`): the target's layers are scaled
+    down (not zeroed) so it is close to a bigram model, and the draft layer predicts that bigram.
     """
 
     family: TinyFamily = "qwen3_moe"
@@ -119,6 +136,7 @@ class TinySpec:
     dtype: TinyDType = "float32"
     width: TinyWidth = "tiny"
     mtp_layers: int = 0
+    draft: TinyDraft = "random"
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -135,6 +153,13 @@ class TinySpec:
             raise ValueError(
                 f"TinySpec.mtp_layers={self.mtp_layers!r} with family={self.family!r}; allowed: "
                 "0 (MTP layers are DeepSeek-V3's)"
+            )
+        if self.draft not in DRAFTS:
+            raise ValueError(f"TinySpec.draft={self.draft!r} is not one of {DRAFTS}")
+        if self.draft != "random" and not self.mtp_layers:
+            raise ValueError(
+                f"TinySpec.draft={self.draft!r} with mtp_layers=0; allowed: 'random' (a draft "
+                "needs an MTP layer)"
             )
         if self.width != "tiny" and self.family != "qwen3_moe":
             raise ValueError(
@@ -394,6 +419,51 @@ def make_tensor(seed: int, name: str, shape: tuple[int, ...], dtype: TinyDType) 
     return t.to(torch_dtype).contiguous()
 
 
+def accepting_draft_tensors(
+    config: dict[str, Any], tensors: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """``tensors`` (a DeepSeek checkpoint with MTP layers) changed so the drafts are accepted.
+
+    vLLM's ``deepseek_mtp`` drafts the token after ``t`` from ``eh_proj([enorm(embed(t));
+    hnorm(h)])`` (``h``: the target's hidden state at the previous position) through the MTP
+    decoder block and ``shared_head`` (norm, then the LM head). Here:
+
+    * the target's decoder layers write their attention and MLP outputs scaled by
+      :data:`ACCEPTING_TARGET_SCALE` (``self_attn.o_proj``, the dense, shared and routed experts'
+      ``down_proj``): small but not zero, so the final hidden state is dominated by the current
+      token's embedding and the target's next token is nearly ``f(t) = argmax lm_head(norm(
+      embed(t)))``, a bigram, while every layer still changes the logits;
+    * the MTP layer's ``eh_proj`` is the identity on the embedding half and the random matrix
+      scaled by :data:`ACCEPTING_HIDDEN_SCALE` on the hidden half; its own block's output
+      projections are scaled by :data:`ACCEPTING_DRAFT_BLOCK_SCALE`; ``shared_head.head`` is a
+      copy of ``lm_head`` (the norms are all ones, as ``model.norm``): the draft predicts ``f(t)``
+      too, up to both sides' small perturbations, so most drafts but not all are accepted.
+    """
+    h = int(config["hidden_size"])
+    num_hidden = int(config["num_hidden_layers"])
+    mtp = int(config.get("num_nextn_predict_layers") or 0)
+    out = dict(tensors)
+
+    def scaled(t: torch.Tensor, scale: float) -> torch.Tensor:
+        return (t.to(torch.float32) * scale).to(t.dtype).contiguous()
+
+    for name, t in tensors.items():
+        if name.endswith(("self_attn.o_proj.weight", "down_proj.weight")):
+            layer = int(name.split(".")[2])
+            out[name] = scaled(
+                t, ACCEPTING_TARGET_SCALE if layer < num_hidden else ACCEPTING_DRAFT_BLOCK_SCALE
+            )
+    for layer in range(num_hidden, num_hidden + mtp):
+        p = f"model.layers.{layer}."
+        eh = tensors[p + "eh_proj.weight"]
+        eye = torch.eye(h, dtype=torch.float32).to(eh.dtype)
+        out[p + "eh_proj.weight"] = torch.cat(
+            [eye, scaled(eh[:, h:], ACCEPTING_HIDDEN_SCALE)], dim=1
+        ).contiguous()
+        out[p + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
+    return out
+
+
 def build_tokenizer_json() -> str:
     """Train the byte-level BPE tokenizer on :data:`CORPUS`; returns ``tokenizer.json`` text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
@@ -447,7 +517,7 @@ def _iter_files(spec: TinySpec) -> Iterator[tuple[str, bytes]]:
     """Yield ``(file name, bytes)`` for every file of the checkpoint, deterministically."""
     tokenizer_json = build_tokenizer_json()
     config = model_config(spec, _vocab_size(tokenizer_json))
-    yield from checkpoint_files(config, tokenizer_json, spec.seed, spec.dtype)
+    yield from checkpoint_files(config, tokenizer_json, spec.seed, spec.dtype, draft=spec.draft)
 
 
 def checkpoint_files(
@@ -457,10 +527,12 @@ def checkpoint_files(
     dtype: TinyDType,
     *,
     draft_weights: bool = True,
+    draft: TinyDraft = "random",
 ) -> Iterator[tuple[str, bytes]]:
     """Yield ``(file name, bytes)`` of a checkpoint of ``config`` (the token ids it states set to
     the tokenizer's special tokens), the tokenizer and random weights of ``seed`` in ``dtype`` (see
-    :func:`tensor_shapes` for ``draft_weights``), deterministically."""
+    :func:`tensor_shapes` for ``draft_weights``; ``draft="accepting"``: changed by
+    :func:`accepting_draft_tensors`), deterministically."""
     from safetensors.torch import save
 
     specials = _special_ids(tokenizer_json)
@@ -471,6 +543,8 @@ def checkpoint_files(
             config[key] = specials[token]
     shapes = tensor_shapes(config, draft_weights=draft_weights)
     tensors = {n: make_tensor(seed, n, shapes[n], dtype) for n in sorted(shapes)}
+    if draft == "accepting":
+        tensors = accepting_draft_tensors(config, tensors)
     yield "config.json", _dump_json(config).encode()
     generation = {key: config[key] for key in token_ids if key in config} | {"do_sample": False}
     yield "generation_config.json", _dump_json(generation).encode()
@@ -491,7 +565,8 @@ def spec_hash(spec: TinySpec) -> str:
         "generator_version": GENERATOR_VERSION,
         "spec": {"family": spec.family, "seed": spec.seed, "dtype": spec.dtype}
         | ({"width": spec.width} if spec.width != "tiny" else {})
-        | ({"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {}),
+        | ({"mtp_layers": spec.mtp_layers} if spec.mtp_layers else {})
+        | ({"draft": spec.draft} if spec.draft != "random" else {}),
         "config": model_config(spec, 0),
         "corpus": list(CORPUS),
         "special_tokens": list(SPECIAL_TOKENS),
@@ -531,6 +606,7 @@ def ensure_tiny_checkpoint(spec: TinySpec | None = None, cache_dir: Path | None 
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     width = "" if spec.width == "tiny" else f"-{spec.width}"
     width += f"-mtp{spec.mtp_layers}" if spec.mtp_layers else ""
+    width += f"-{spec.draft}" if spec.draft != "random" else ""
     name = f"{spec.family}{width}-s{spec.seed}-{spec.dtype}-{spec_hash(spec)}"
     return ensure_cached_checkpoint(root / name, lambda: _iter_files(spec))
 
