@@ -21,12 +21,18 @@ by an ulp before the residual add; the tests still require identical greedy toke
 differed on these checkpoints; if one ever does, report the logprob gap and set a tolerance here
 rather than hide it).
 
-The ``deepseek_v3`` cases serve DeepSeek-V3's published ``config.json`` with only its sizes scaled
-(:mod:`afd_models.demo.published`): yarn rope scaling, 16 experts in 8 groups (top-8 of the
-best 4 groups), one MTP layer declared and none of its weights shipped (the 2:1 case with the gate
-on Attention is the one whose FFN role used to die at load on that layer's routing bias); the
-other families serve the tiny builder's checkpoints. ``test_e2e_models_published.py`` covers the
-other published configs.
+Every family serves a published model's ``config.json`` with only its sizes scaled
+(:mod:`afd_models.demo.published`; sources in ``afd_models/demo/published/SOURCES.md``):
+
+* ``qwen3_moe``: Qwen3-30B-A3B (and so Qwen3-235B-A22B, the same checkpoint once scaled).
+* ``deepseek_v2``: DeepSeek-V2-Lite-Chat as transformers 5 saves it (``q_lora_rank: null``,
+  yarn with ``mscale``, greedy softmax top-6 routing, ``auto_map`` kept).
+* ``deepseek_v3``: DeepSeek-V3 (yarn rope scaling, 16 experts in 8 groups: top-8 of the best 4
+  groups), one MTP layer declared and none of its weights shipped (the 2:1 case with the gate on
+  Attention is the one whose FFN role used to die at load on that layer's routing bias).
+
+``test_e2e_models_published.py`` covers the other published configs (Kimi-K2, GLM, DeepSeek-V3
+with its MTP weights) and the compiled mode.
 
 DeepSeek-V2/V3 servers (plain and AFD alike) run with ``--max-num-seqs 1``: vLLM 0.32's CPU MLA path
 is not batch invariant (plain vLLM against itself gives a request different greedy tokens when it
@@ -60,15 +66,19 @@ from afd_models.demo.servers import (
     stop_all,
     wait_until_healthy,
 )
-from afd_models.demo.tiny import DEMO_PROMPTS, TinySpec, ensure_tiny_checkpoint
+from afd_models.demo.tiny import DEMO_PROMPTS
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm_runtime, pytest.mark.slow]
 
 MAX_TOKENS = 16
-#: The ``deepseek_v3`` family's checkpoint: DeepSeek-V3's published config (sizes scaled, the FP8
-#: ``quantization_config`` dropped as its BF16 conversions ship it) declaring one MTP layer whose
-#: weights it does not ship, as transformers and many derivatives save it.
-DEEPSEEK_V3 = PublishedSpec("deepseek-v3", dequantized=True, draft_weights=False)
+#: Each family's checkpoint (see the module docstring). DeepSeek-V3's FP8 ``quantization_config``
+#: is dropped as its BF16 conversions ship it; it declares one MTP layer whose weights it does not
+#: ship, as transformers and many derivatives save it.
+CHECKPOINTS = {
+    "qwen3_moe": PublishedSpec("qwen3-30b-a3b"),
+    "deepseek_v2": PublishedSpec("deepseek-v2-lite-chat"),
+    "deepseek_v3": PublishedSpec("deepseek-v3", dequantized=True, draft_weights=False),
+}
 OPTIONS = EngineOptions(dtype="float32", enforce_eager=True, max_model_len=512)
 
 
@@ -153,11 +163,8 @@ def _prompt_runs(server: VLLMServer) -> tuple[BatchResult, BatchResult]:
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     cache = os.environ.get("AFD_TINY_CACHE")
-    root = Path(cache) if cache else tmp_path_factory.mktemp("tiny")
-    tiny = {
-        fam: ensure_tiny_checkpoint(TinySpec(fam), root) for fam in ("qwen3_moe", "deepseek_v2")
-    }
-    return {**tiny, "deepseek_v3": ensure_published_checkpoint(DEEPSEEK_V3, root)}
+    root = Path(cache) if cache else tmp_path_factory.mktemp("published")
+    return {family: ensure_published_checkpoint(spec, root) for family, spec in CHECKPOINTS.items()}
 
 
 _BASELINES: dict[tuple[str, int], tuple[BatchResult, BatchResult]] = {}
@@ -262,7 +269,7 @@ def test_sequential_greedy_outputs_match_plain_vllm(
 
 
 def _routed_expert_bytes(checkpoint: Path, family: str) -> int:
-    """Bytes of all routed experts in the tiny float32 checkpoint (3 matrices per expert)."""
+    """Bytes of all routed experts in the float32 checkpoint (3 matrices per expert)."""
     import json
     from types import SimpleNamespace
 
@@ -293,7 +300,7 @@ def test_roles_report_their_own_weights_and_stay_up(
     assert all(b is not None and len(b) == 1 for b in per_rank), per_rank
     if case.num_ffn_ranks > 1:
         # Expert parallel, gate on Attention: an FFN rank holds exactly its share of the routed
-        # experts (8 experts over 2 ranks: half each), nothing else.
+        # experts (half each over 2 ranks), nothing else.
         total = _routed_expert_bytes(checkpoints[case.family], case.family)
         assert [b[0] for b in per_rank] == [total // case.num_ffn_ranks] * case.num_ffn_ranks  # type: ignore[index]
 
@@ -361,6 +368,7 @@ def test_the_ffn_batched_its_attention_ranks_per_metrics(deployment: Deployment)
 
 
 @pytest.mark.timeout(1800)
+@pytest.mark.applies_to(lambda case: case.tp > 1 and case.num_ffn_ranks == 1)
 def test_every_real_token_reaches_the_ffn_once_under_tp(deployment: Deployment) -> None:
     """Tensor-parallel Attention, one FFN rank: one request whose prompt is not a multiple of
     the TP size (prefill N = 11 over T = 2) and whose decode steps hold fewer tokens than TP
@@ -370,8 +378,6 @@ def test_every_real_token_reaches_the_ffn_once_under_tp(deployment: Deployment) 
     from afd_models.demo.servers import parse_ffn_stats, sample_total
 
     case = deployment.case
-    if case.tp == 1 or case.num_ffn_ranks > 1:
-        pytest.skip("tensor-parallel Attention with one FFN rank only")
     attention_text, (ffn_text,) = _idle_metrics(deployment)
     before = parse_ffn_stats(ffn_text)[0]
     prompt_before = sample_total(attention_text, "vllm:prompt_tokens_total")
