@@ -7,6 +7,7 @@ import dataclasses
 import os
 import threading
 import time
+import types
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -110,13 +111,26 @@ def references(server: VLLMServer, model: str) -> tuple[list[tuple[int, ...]], t
     return tokens(server, model), long_tokens
 
 
+#: Bound on the first streamed token of a request on an idle pair (a prefill and one step).
+FIRST_TOKEN_BOUND_S = 60.0
+
+
 def start_long_request(server: VLLMServer, model: str) -> tuple[threading.Thread, dict[str, Any]]:
-    """The long prompt's request on a thread (see :func:`in_thread`), asserted still generating
-    two seconds later: a fault injected now lands mid-request."""
-    thread, out = in_thread(
-        lambda: complete(server.base_url, DEMO_PROMPTS[0], model=model, max_tokens=LONG_TOKENS)
-    )
-    time.sleep(2.0)
+    """The long prompt's request, streamed on a thread (see :func:`in_thread`; ``out["value"]``
+    has ``token_ids``), returned once its first token arrived and it is still generating: a fault
+    injected now lands mid-request, however fast decoding is."""
+    first = threading.Event()
+
+    def run() -> Any:
+        got = stream_complete(
+            server.base_url, DEMO_PROMPTS[0], model=model, max_tokens=LONG_TOKENS, first=first
+        )
+        assert got["status"] == 200 and not got["errors"], got
+        return types.SimpleNamespace(**got)
+
+    thread, out = in_thread(run)
+    if not first.wait(FIRST_TOKEN_BOUND_S):
+        raise AssertionError(f"no token of the long request within {FIRST_TOKEN_BOUND_S}s: {out}")
     assert thread.is_alive(), f"the long request ended before the fault: {out}"
     return thread, out
 
@@ -167,10 +181,17 @@ def tiny_qwen3_deployment(
     )
 
 
-def stream_complete(base_url: str, prompt: str, *, model: str, max_tokens: int) -> dict[str, Any]:
+def stream_complete(
+    base_url: str,
+    prompt: str,
+    *,
+    model: str,
+    max_tokens: int,
+    first: threading.Event | None = None,
+) -> dict[str, Any]:
     """A greedy streamed ``/v1/completions``: ``token_ids`` (all chunks'), ``status`` and
     ``max_gap_s``, the longest wait between two chunks (what a streaming client sees as a
-    stall)."""
+    stall). ``first`` is set when the first token arrived."""
     import json
 
     payload = greedy(model, prompt, max_tokens, return_token_ids=True, stream=True)
@@ -196,6 +217,8 @@ def stream_complete(base_url: str, prompt: str, *, model: str, max_tokens: int) 
                 continue
             for choice in chunk.get("choices", ()):
                 ids.extend(int(i) for i in choice.get("token_ids") or ())
+            if ids and first is not None:
+                first.set()
     return {"status": status, "token_ids": tuple(ids), "max_gap_s": max_gap, "errors": errors}
 
 

@@ -22,6 +22,7 @@ printed; every process exits 0 at the end.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -39,6 +40,7 @@ from afd_models.demo.servers import stop_all, wait_until_healthy
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_bench_serve import bench_serve_command
 from afd_models_ffn_loss import (
+    FIRST_TOKEN_BOUND_S,
     GRACE_S,
     LONG_TOKENS,
     afd_series,
@@ -56,6 +58,8 @@ from afd_models_ffn_loss import (
 pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
 
 BENCH_PROMPTS = 32
+#: Bound on vLLM's bench client reaching its main run (it imports vLLM and sends a test prompt).
+BENCH_START_BOUND_S = 180.0
 RESULT_PATH = Path(__file__).parents[1] / "benchmarks" / "results" / "elastic.json"
 
 
@@ -122,8 +126,16 @@ def test_ffn_ranks_join_die_rejoin_and_leave_under_load_and_nothing_fails(
                 output_len=128,
                 percentiles="50,99,100",
             )
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-            time.sleep(20.0)  # the client imports vLLM before its first request
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+            # The client imports vLLM and sends one test prompt before its run: wait for the run.
+            deadline = time.monotonic() + BENCH_START_BOUND_S
+            text = ""
+            while "Starting main benchmark run" not in text:
+                assert proc.poll() is None, text[-3000:]
+                assert time.monotonic() < deadline, f"{name}: bench serve never started\n{text}"
+                time.sleep(0.2)
+                text = (bench_dir / f"{name}.log").read_text(errors="replace")
             return proc, result
 
         def _finish_bench(name: str, proc: subprocess.Popen[bytes], path: Path) -> dict:
@@ -148,12 +160,18 @@ def test_ffn_ranks_join_die_rejoin_and_leave_under_load_and_nothing_fails(
             stop = threading.Event()
             results: list[dict[str, object]] = []
 
+            first = threading.Event()
+
             def load() -> None:
                 while True:
                     t0 = time.monotonic()
                     try:
                         got = stream_complete(
-                            attention.base_url, DEMO_PROMPTS[0], model=model, max_tokens=LONG_TOKENS
+                            attention.base_url,
+                            DEMO_PROMPTS[0],
+                            model=model,
+                            max_tokens=LONG_TOKENS,
+                            first=first,
                         )
                     except Exception as err:  # counted as failed below
                         got = {"status": -1, "errors": [repr(err)], "token_ids": ()}
@@ -165,7 +183,7 @@ def test_ffn_ranks_join_die_rejoin_and_leave_under_load_and_nothing_fails(
             client = _start_bench(name) if bench else None
             thread = threading.Thread(target=load)
             thread.start()
-            time.sleep(2.0)
+            assert first.wait(FIRST_TOKEN_BOUND_S), f"{name}: no token of the first request"
             assert not results, f"{name}: the first request ended before the fault: {results}"
             fault()  # type: ignore[operator]
             _wait_members(attention, want, bound_s)

@@ -1,13 +1,15 @@
 """Faults: one FFN rank of an expert-parallel pair dies while a request is generated.
 
 One AFD deployment (tiny Qwen3-MoE, 1 Attention : 2 FFN ranks, gate on Attention: each FFN rank
-holds half of the routed experts), started with the defaults a user gets (``timeout_s`` 120 s,
-``ffn_loss_grace_s`` 60 s). FFN rank 1's process session is SIGKILLed while a long request is
-generated and a second request arrives while it is down; a new FFN rank 1 (same arguments)
-starts. The surviving FFN rank 0 was inside that step: it must leave the broken step at once
-(the Attention rank's close reaches it), not after ``timeout_s``, so that the deployment pairs
-again within the grace. **Both requests complete with HTTP 200 and the tokens of an
-uninterrupted run**, FFN rank 0 is never restarted, and every role stops with exit code 0.
+holds half of the routed experts), started with the default ``timeout_s`` (120 s) and a
+generous ``ffn_loss_grace_s`` (a bound on the restart, not an expectation of its speed). FFN
+rank 1's process session is SIGKILLed while a long request is generated (its first token
+streamed) and a second request arrives while it is down; a new FFN rank 1 (same arguments)
+starts. The surviving FFN rank 0 was serving that deployment: it must leave the broken step on
+the peer's failure (the Attention rank's close reaches it), never by waiting out ``timeout_s``
+(its log names the failure; no wait of its timed out). **Both requests complete with HTTP 200
+and the tokens of an uninterrupted run**, FFN rank 0 is never restarted, and every role stops
+with exit code 0.
 """
 
 from __future__ import annotations
@@ -27,7 +29,6 @@ from afd_models.demo.tiny import DEMO_PROMPTS
 
 sys.path.insert(0, str(Path(__file__).parent))
 from afd_models_ffn_loss import (
-    GRACE_S,
     hold_metric,
     in_thread,
     references,
@@ -40,13 +41,20 @@ from afd_models_ffn_loss import (
 
 pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
 
+#: A bound on FFN rank 1's restart (engine starts took up to 194 s on a loaded host).
+GRACE_S = 600.0
+
 
 @pytest.mark.timeout(1500)
 def test_one_of_two_ffn_ranks_dies_mid_request_and_nothing_fails(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     attention, ffns = tiny_qwen3_deployment(
-        tmp_path_factory, prefix="ffn-loss-ep", num_ffn_ranks=2, gate_on_attention=True
+        tmp_path_factory,
+        prefix="ffn-loss-ep",
+        num_ffn_ranks=2,
+        gate_on_attention=True,
+        afd_extra={"ffn_loss_grace_s": GRACE_S},
     )
     survivor, victim = ffns
     started = [survivor, victim]
@@ -68,7 +76,6 @@ def test_one_of_two_ffn_ranks_dies_mid_request_and_nothing_fails(
         restarted = restart(victim, 1)
         started.append(restarted)
         wait_until_healthy([restarted])
-        assert time.monotonic() - killed_at < GRACE_S, "the FFN restart took longer than the grace"
         wait_health(attention, 200, GRACE_S)
         long_thread.join(120)
         late_thread.join(120)
@@ -76,7 +83,13 @@ def test_one_of_two_ffn_ranks_dies_mid_request_and_nothing_fails(
         assert "error" not in long_out and "error" not in late_out, (long_out, late_out)
         assert long_out["value"].token_ids == long_reference
         assert late_out["value"].token_ids == reference[1]
-        assert resumed_s < GRACE_S, resumed_s
+        left = [
+            line
+            for line in survivor.log_text().splitlines()
+            if "lost a peer mid-step" in line or "lost its Attention peers" in line
+        ]
+        assert left, survivor.log_tail(60)
+        assert not any("did not complete within" in x or "timed out" in x for x in left), left
         print(f"one of two FFN ranks lost and restarted: resumed {resumed_s:.1f}s after the kill")
         assert survivor.poll() is None, "the surviving FFN rank exited"
         assert hold_metric(attention, "afd_ffn_loss_failed_requests_total") == 0

@@ -6,10 +6,11 @@ and the Attention role's gloo listener) and 10.231.0.2/24 (namespace end: the FF
 listener and its HTTP server). The host is not loopback, so both roles get ``AFD_SECRET``. The
 greedy tokens of the tiny Qwen3-MoE must equal plain vLLM's.
 
-Cases: no impairment, ``tc netem`` 1 ms delay each way, and 1 ms delay with 1 % loss each way.
-Each case skips with the reason where namespaces (``ip netns add``) or ``netem`` are not
-available; the namespace and the veth pair are removed in a finalizer even on failure. Only the
-addresses above, on interfaces this module creates, are used.
+The test skips with the reason where namespaces (``ip netns add``) are not allowed (listed in
+CONTRIBUTING); the namespace and the veth pair are removed in a finalizer even on failure. Only
+the addresses above, on interfaces this module creates, are used. (Delays between the roles are
+covered by the two-stage parity case's injected delays; ``tc netem`` is not available on the CI
+hosts, so no case here depends on it.)
 """
 
 from __future__ import annotations
@@ -46,11 +47,6 @@ OPTIONS = EngineOptions(dtype="float32", enforce_eager=True, max_model_len=512)
 ROOT_ADDR = "10.231.0.1"
 NS_ADDR = "10.231.0.2"
 SECRET = "afd-network-e2e-deployment-secret"
-IMPAIRMENTS: dict[str, tuple[str, ...]] = {
-    "veth": (),
-    "netem_delay_1ms": ("delay", "1ms"),
-    "netem_delay_1ms_loss_1pct": ("delay", "1ms", "loss", "1%"),
-}
 
 
 @dataclass(frozen=True)
@@ -97,19 +93,6 @@ def veth_namespace() -> Iterator[Net]:
         _run("ip", "netns", "del", net.namespace)
 
 
-def _impair(net: Net, netem: tuple[str, ...]) -> None:
-    """``tc netem`` on both ends (each direction); skip with the reason where it is missing."""
-    if not netem:
-        return
-    for prefix, dev in (((), net.root_if), (("ip", "netns", "exec", net.namespace), net.ns_if)):
-        done = _run(*prefix, "tc", "qdisc", "add", "dev", dev, "root", "netem", *netem)
-        if done.returncode != 0:
-            pytest.skip(
-                f"tc netem is not available here (`tc qdisc add ... netem` said "
-                f"{done.stderr.strip()!r}; the kernel lacks sch_netem)"
-            )
-
-
 def _log_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     env = os.environ.get("AFD_E2E_LOG_DIR")
     return Path(env) if env else tmp_path_factory.getbasetemp() / "engine-logs"
@@ -147,13 +130,11 @@ def _baseline(checkpoint: Path, log_dir: Path) -> BatchResult:
 
 
 @pytest.mark.timeout(1800)
-@pytest.mark.parametrize("case", list(IMPAIRMENTS))
 def test_roles_in_two_namespaces_give_plain_vllm_tokens(
-    case: str, checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
+    checkpoint: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
     log_dir = _log_root(tmp_path_factory)
     with veth_namespace() as net:
-        _impair(net, IMPAIRMENTS[case])
         expected = _baseline(checkpoint, log_dir)
         base = parity_options(checkpoint, OPTIONS)
         options = dataclasses.replace(base, env={**base.env, "AFD_SECRET": SECRET})
@@ -166,7 +147,7 @@ def test_roles_in_two_namespaces_give_plain_vllm_tokens(
             afd_extra={"host": ROOT_ADDR},
             ffn_argv_prefix=("ip", "netns", "exec", net.namespace),
             ffn_http_host=NS_ADDR,
-            prefix=f"net-{case}",
+            prefix="net-veth",
             progress=print,
         )
         afd_port = _afd_port(attention.config.argv)

@@ -1,10 +1,11 @@
 """Faults suite: the README's serving block, run with bash exactly as written.
 
-Nothing is substituted: ``afd tiny`` gives the tiny Qwen3-MoE checkpoint (``$AFD_TINY_CACHE``
-when set, as for every engine test), both ``afd serve`` start in the background on the README's
-fixed ports (8000, 8001, AFD port 29700) with no KV cache setting (the Attention role's own
-default budget), the block waits for ``/health`` with its own bound, sends its ``curl`` and stops
-both roles with SIGTERM. Asserted: the block exits 0 within the bound, the completion carries 16
+The one substitution: the README's ports (HTTP 8000 and 8001, AFD port 29700) become free ports
+the OS gives (each pattern must be found, so the README cannot drift from this test). ``afd
+tiny`` gives the tiny Qwen3-MoE checkpoint (``$AFD_TINY_CACHE`` when set, as for every engine
+test), both ``afd serve`` start in the background with no KV cache setting (the Attention role's
+own default budget), the block waits for ``/health`` with its own bound, sends its ``curl`` and
+stops both roles with SIGTERM. Asserted: the block exits 0 within the bound, the completion carries 16
 tokens, each role's log shows it ran, and no process of the block is left.
 """
 
@@ -13,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,17 +30,22 @@ pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
 
 #: The block's own readiness wait is 900 s; add the checkpoint build and both stops.
 SERVING_BOUND_S = 1100
-README_PORTS = (8000, 8001, 29700)
 
 
-def _port_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
+def _with_free_ports(script: str) -> str:
+    """``script`` with the README's ports replaced by free ones (every pattern must occur)."""
+    from afd_models.demo.servers import free_ports
+
+    attention, ffn, afd = free_ports(3)
+    for old, new in (
+        ('"port": 29700', f'"port": {afd}'),
+        ("--port 8001", f"--port {ffn}"),
+        ("--port 8000", f"--port {attention}"),
+        ("localhost:8000", f"localhost:{attention}"),
+    ):
+        assert old in script, f"the README's serving block no longer holds {old!r}"
+        script = script.replace(old, new)
+    return script
 
 
 def _group_alive(pgid: int) -> bool:
@@ -53,10 +58,7 @@ def _group_alive(pgid: int) -> bool:
 
 @pytest.mark.timeout(SERVING_BOUND_S + 120)
 def test_readme_serving_block_runs_as_written(tmp_path: Path) -> None:
-    script = marked_block("serving")
-    busy = [p for p in README_PORTS if not _port_free(p)]
-    if busy:
-        pytest.fail(f"the README's ports {busy} are in use on this host; free them to run this")
+    script = _with_free_ports(marked_block("serving"))
     bin_dir = Path(sys.executable).parent  # where `afd` is installed beside this interpreter
     env = dict(os.environ)
     env["PATH"] = f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"

@@ -64,6 +64,8 @@ OPTIONS = EngineOptions(
 #: Logged (for humans) by an AFD worker once its model is loaded (an Attention role then waits
 #: for the FFN); a lifecycle point before the API server serves /metrics, so it is read in the log.
 LOADED = "AFD role={role} param_bytes="
+#: Logged by an AFD worker once its connector waits for the peer role (signals cancel the wait).
+WAITING = "waiting for its peers (SIGTERM/SIGINT cancel the wait)"
 
 
 def _root(tmp_path_factory: pytest.TempPathFactory, env: str, name: str) -> Path:
@@ -172,14 +174,32 @@ def wait_for(
 
 
 def wait_loaded_and_waiting(server: VLLMServer, role: str) -> None:
-    """Until the role loaded its model (its connector then waits for the peer role), plus 5 s."""
+    """Until the role loaded its model and its connector waits for the peer role (the worker
+    logs both; SIGTERM cancels the wait from the second line on)."""
     wait_for(
-        lambda: LOADED.format(role=role) in server.log_text(),
-        f"{server.name} loaded",
+        lambda: LOADED.format(role=role) in server.log_text() and WAITING in server.log_text(),
+        f"{server.name} loaded and waiting for its peers",
         ENGINE_START_S,
         server,
     )
-    time.sleep(5.0)
+
+
+def wait_idle(server: VLLMServer) -> None:
+    """Until ``server`` runs no request and its ``afd_*`` series stood still between two reads
+    a second apart (:func:`wait_for`'s poll)."""
+    from afd_models.demo.servers import afd_samples, sample_total
+
+    last: object = None
+
+    def idle() -> bool:
+        nonlocal last
+        text = server.metrics_text()
+        snapshot = afd_samples(text)
+        still = snapshot == last and sample_total(text, "vllm:num_requests_running") == 0
+        last = snapshot
+        return still
+
+    wait_for(idle, f"{server.name} idle", 60.0, server)
 
 
 def roles(model: Path, log_dir: Path, prefix: str, **kw: Any) -> tuple[VLLMServer, VLLMServer]:
@@ -239,7 +259,7 @@ def test_sigterm_idle_attention_first_then_serving_ffn_first(
     attention.start()
     wait_until_healthy([ffn, attention])
     complete_many(attention.base_url, DEMO_PROMPTS[:2], max_tokens=4, concurrency=2)
-    time.sleep(3.0)  # idle
+    wait_idle(attention)
     snap = Snapshot(attention)
     assert_stopped_cleanly(attention.stop(timeout_s=2 * STOP_BOUND_S), snap)
     assert ffn.healthy()

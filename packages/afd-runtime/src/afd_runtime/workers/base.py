@@ -278,6 +278,7 @@ def init_or_exit_on_signal(connector: AFDConnectorBase, who: str) -> None:
     ``SystemExit(0)``: the engine is being stopped, which is not a failure, and vLLM's engine
     core then exits with status 0 instead of waiting out ``startup_timeout_s``."""
     cancel_startup_on_signals()
+    logger.info("%s: waiting for its peers (SIGTERM/SIGINT cancel the wait)", who)
     try:
         connector.init()
     except AFDCancelledError as err:
