@@ -68,12 +68,51 @@ def _sync(session: nox.Session, *args: str, bytecode: bool = True) -> None:
 REPORTS = ROOT / ".nox-reports"
 
 
-def _pytest(session: nox.Session, *args: str) -> None:
-    """Run pytest with a JUnit report at ``.nox-reports/<session>.xml`` (replaced each run)."""
+def _pytest(session: nox.Session, *args: str, env_dir: Path | None = None) -> None:
+    """Run pytest with a JUnit report at ``.nox-reports/<session>.xml`` (replaced each run);
+    ``env_dir``: the pytest of that env (see :func:`_engine_tests`) instead of the session's."""
     REPORTS.mkdir(exist_ok=True)
     report = REPORTS / f"{_slug(session.name)}.xml"
     report.unlink(missing_ok=True)
-    session.run("pytest", *args, f"--junitxml={report}", *session.posargs)
+    if env_dir is None:
+        session.run("pytest", *args, f"--junitxml={report}", *session.posargs)
+        return
+    bin_dir = env_dir / "bin"
+    env = {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
+        "VIRTUAL_ENV": str(env_dir),
+    }
+    session.run(
+        str(bin_dir / "pytest"),
+        *args,
+        f"--junitxml={report}",
+        *session.posargs,
+        env=env,
+        external=True,
+    )
+
+
+#: The env the engine sessions (e2e, faults, load) share: they need the same selection of the
+#: lock (every package, the CPU extra, the test group), so it is synced and byte-compiled once
+#: per run instead of once per session (vLLM, torch and transformers: about a minute each on
+#: 2 cores); the later sessions' ``uv sync`` finds it current.
+ENGINE_ENV = ROOT / ".nox" / "engines"
+
+
+def _engine_tests(session: nox.Session, marker: str) -> None:
+    """``pytest packages -m marker`` in :data:`ENGINE_ENV`, synced first (``--locked``)."""
+    session.run_install(
+        "uv",
+        "sync",
+        "--locked",
+        "--no-default-groups",
+        "--compile-bytecode",
+        f"--python={PYTHON}",
+        *("--all-packages", "--extra", "cpu", "--group", "test"),
+        env={"UV_PROJECT_ENVIRONMENT": str(ENGINE_ENV)},
+        external=True,
+    )
+    _pytest(session, "packages", "-m", marker, env_dir=ENGINE_ENV)
 
 
 def _slug(name: str) -> str:
@@ -183,27 +222,24 @@ def build(session: nox.Session) -> None:
         )
 
 
-@nox.session(python=PYTHON, tags=["cpu", "e2e"])
+@nox.session(python=PYTHON, tags=["cpu", "e2e"], venv_backend="none")
 def e2e(session: nox.Session) -> None:
     """End-to-end: real `vllm serve` engines on CPU, AFD roles against plain vLLM (marker e2e)."""
-    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
-    _pytest(session, "packages", "-m", "e2e")
+    _engine_tests(session, "e2e")
 
 
-@nox.session(python=PYTHON, tags=["cpu", "faults"])
+@nox.session(python=PYTHON, tags=["cpu", "faults"], venv_backend="none")
 def faults(session: nox.Session) -> None:
     """Faults, shutdown, bad input and access on real `vllm serve` engines (marker faults)."""
-    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
-    _pytest(session, "packages", "-m", "faults")
+    _engine_tests(session, "faults")
 
 
-@nox.session(python=PYTHON, tags=["cpu", "load"])
+@nox.session(python=PYTHON, tags=["cpu", "load"], venv_backend="none")
 def load(session: nox.Session) -> None:
     """vLLM's own `bench serve` client against a 2:1 AFD pair (256 requests at concurrency 32,
     zero failures, then token parity with plain vLLM; marker load). Writes
     packages/afd-models/benchmarks/results/load.json."""
-    _sync(session, "--all-packages", "--extra", "cpu", "--group", "test")
-    _pytest(session, "packages", "-m", "load")
+    _engine_tests(session, "load")
 
 
 @nox.session(python=PYTHON, tags=["cpu"], venv_backend="none")
@@ -214,6 +250,16 @@ def failures(session: nox.Session) -> None:
     session.run(
         sys.executable, str(ROOT / "tools" / "junit_failures.py"), str(REPORTS), external=True
     )
+
+
+@nox.session(python=PYTHON, default=False, tags=["mutation"])
+def mutation(session: nox.Session) -> None:
+    """Mutation check, off by default: mutmut over afd-core's session/handshake.py,
+    afd-compute-npu's reference and afd-remote's routing, each against its package's own CPU tests
+    (tools/mutation.py; work under build/mutation/). ``nox -s mutation -- afd-remote`` runs one."""
+    # The three packages need no vLLM: no extra, so no vLLM in this env.
+    _sync(session, "--all-packages", "--group", "test", "--group", "mutation")
+    session.run("python", "tools/mutation.py", *session.posargs)
 
 
 @nox.session(python=PYTHON, default=False, tags=["bench"])
