@@ -407,11 +407,10 @@ def demo_config_from_namespace(
             f"--speculative={ns.speculative!r} needs --family deepseek_v3 (the tiny checkpoint "
             "whose MTP layer drafts) or a --model with MTP layers"
         )
-    if ns.speculative and ns.model is not None and _mtp_layers(ns.model) < 1:
+    if ns.speculative and ns.model is not None and (layers := _mtp_layers(ns.model)) < 1:
         parser.error(
             f"--speculative={ns.speculative!r} needs a --model with MTP layers; "
-            f"{str(ns.model)!r} declares num_nextn_predict_layers="
-            f"{_mtp_layers(ns.model)} in its config.json"
+            f"{str(ns.model)!r} declares num_nextn_predict_layers={layers} in its config.json"
         )
     if ns.ffn_ranks > 1 and ns.gate != "attention":
         parser.error(

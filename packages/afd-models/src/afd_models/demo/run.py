@@ -506,7 +506,10 @@ def resolve_model(cfg: DemoConfig, progress: Progress) -> Path:
         return Path(cfg.model)
     mtp = 1 if cfg.speculative_tokens else 0
     progress(f"building tiny {cfg.family} checkpoint (seed {cfg.seed}, MTP layers {mtp}) ...")
-    spec = TinySpec(family=cfg.family, seed=cfg.seed, mtp_layers=mtp)
+    # With a drafter, MTP weights whose drafts the target mostly accepts (random ones never are).
+    spec = TinySpec(
+        family=cfg.family, seed=cfg.seed, mtp_layers=mtp, draft="accepting" if mtp else "random"
+    )
     path = ensure_tiny_checkpoint(spec, cfg.cache_dir)
     progress(f"tiny checkpoint: {path}")
     return path
