@@ -34,7 +34,7 @@ pytest.importorskip("vllm")
 pytest.importorskip("requests")
 
 from afd_models.demo.client import complete, served_model_id
-from afd_models.demo.servers import stop_all, wait_until_healthy
+from afd_models.demo.servers import VLLMServer, stop_all, wait_until_healthy
 from afd_models.demo.tiny import DEMO_PROMPTS
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -64,29 +64,38 @@ SHORT_GRACE_S = 20.0
 RESTART_BOUND_S = HOLD_GRACE_S
 
 
-def _wait_held(attention: object, count: int) -> None:
+def _wait_held(attention: VLLMServer, count: int) -> None:
     """Poll the Attention role's ``afd_held_requests`` until it reads ``count``."""
     deadline = time.monotonic() + 60.0
-    while hold_metric(attention, "afd_held_requests") != count:  # type: ignore[arg-type]
+    while hold_metric(attention, "afd_held_requests") != count:
         if time.monotonic() > deadline:
             raise AssertionError(f"afd_held_requests never read {count} within 60s")
         time.sleep(0.2)
+
+
+def _start_pair(
+    tmp_path_factory: pytest.TempPathFactory, prefix: str, grace_s: float
+) -> tuple[VLLMServer, VLLMServer]:
+    """A 1:1 pair (gate on FFN) whose Attention role holds requests for ``grace_s``; both roles
+    started, not yet healthy."""
+    attention, (ffn,) = tiny_qwen3_deployment(
+        tmp_path_factory,
+        prefix=prefix,
+        num_ffn_ranks=1,
+        gate_on_attention=False,
+        afd_extra={"timeout_s": TIMEOUT_S, "ffn_loss_grace_s": grace_s},
+    )
+    ffn.start()
+    attention.start()
+    return attention, ffn
 
 
 @pytest.mark.timeout(1800)
 def test_ffn_loss_holds_requests_and_resumes_them(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    attention, (ffn,) = tiny_qwen3_deployment(
-        tmp_path_factory,
-        prefix="ffn-loss",
-        num_ffn_ranks=1,
-        gate_on_attention=False,
-        afd_extra={"timeout_s": TIMEOUT_S, "ffn_loss_grace_s": HOLD_GRACE_S},
-    )
+    attention, ffn = _start_pair(tmp_path_factory, "ffn-loss", HOLD_GRACE_S)
     ffns = [ffn]
-    ffn.start()
-    attention.start()
     try:
         wait_until_healthy([ffn, attention])
         model = served_model_id(attention.base_url)
@@ -144,16 +153,8 @@ def test_ffn_loss_holds_requests_and_resumes_them(
 def test_ffn_loss_past_the_grace_fails_held_requests_at_the_grace(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    attention, (ffn,) = tiny_qwen3_deployment(
-        tmp_path_factory,
-        prefix="ffn-loss-grace",
-        num_ffn_ranks=1,
-        gate_on_attention=False,
-        afd_extra={"timeout_s": TIMEOUT_S, "ffn_loss_grace_s": SHORT_GRACE_S},
-    )
+    attention, ffn = _start_pair(tmp_path_factory, "ffn-loss-grace", SHORT_GRACE_S)
     ffns = [ffn]
-    ffn.start()
-    attention.start()
     try:
         wait_until_healthy([ffn, attention])
         model = served_model_id(attention.base_url)
