@@ -71,8 +71,14 @@ def test_ffn_loop_in_process_executor_has_no_readers_to_quiet(
     engine.model_executor = SimpleNamespace()  # vLLM's UniProcExecutor: no response queues
     with pytest.raises(SystemExit):
         patches.ffn_busy_loop(engine)
-    assert [c[0] for c in engine.calls] == ["afd_ffn_start", "afd_ffn_wait", "afd_ffn_stop"]
+    assert engine.calls == [
+        ("afd_ffn_start", ()),
+        ("afd_ffn_wait", (patches.FFN_INPROCESS_WAIT_S,)),
+        ("afd_ffn_stop", ()),
+    ]
     assert warnings == []
+    # A direct call waits in short slices: client requests are answered within one.
+    assert patches.FFN_INPROCESS_WAIT_S <= 0.1
     engine = _Engine(waits=1)
     engine.model_executor = SimpleNamespace(response_mqs=[])  # multiprocess, none found
     with pytest.raises(SystemExit):

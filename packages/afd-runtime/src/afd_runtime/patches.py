@@ -21,14 +21,18 @@
 2. ``EngineCoreProc.run_busy_loop``: for the FFN role, run :func:`ffn_busy_loop` instead of the
    scheduler loop. It serves only client control requests (utility calls, shutdown) between
    bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
-   sleeping on the service, not spinning in vLLM's RPC reader) and raises the service's error
+   sleeping on the service, not spinning in vLLM's RPC reader; :data:`FFN_INPROCESS_WAIT_S` when
+   the worker runs in the engine core process) and raises the service's error
    (the engine then reports itself dead and the process exits non-zero); on SIGTERM it stops the
    loop and exits with ``SystemExit`` (status 0). The FFN engine's RPC response readers stop
    busy-spinning (:func:`quiet_rpc_readers`): they wait seconds per RPC by design. The Attention
    role keeps the upstream loop and its spinning readers: vLLM's idle-mode wake-up can miss a
    notification and then waits out a 5 s recheck (measured: quieted Attention readers stalled
    decode to ~0.3 tokens/s), which only the FFN engine's 2 s waits can afford. No AFD: upstream
-   loop, unchanged.
+   loop, unchanged. On both roles, a loop that ends with ``SystemExit`` status 0 (SIGTERM,
+   drained) arms :func:`afd_runtime.clean_exit.exit_without_teardown_after`: once vLLM's own
+   ``shutdown()`` has returned, the engine core exits without CPython's module teardown (~2 s per
+   role per stop).
 3. The Attention role's behaviour while its FFN role is lost (requests fail with a clear error,
    ``/health`` answers 503, the engine stays up): :mod:`afd_runtime.ffn_loss`.
 
@@ -70,6 +74,7 @@ from afd_core.errors import AFDConfigError
 from afd_core.session.access import deployment_secret
 
 from afd_runtime.checkpoint_checks import check_served_checkpoint
+from afd_runtime.clean_exit import exit_without_teardown_after
 from afd_runtime.ffn_loss import ffn_loss_patches_applied, install_ffn_loss_patches
 from afd_runtime.metrics import enable_multiprocess_metrics
 from afd_runtime.roles import check_role_tensor_parallelism, check_speculative_decoding
@@ -83,6 +88,12 @@ logger = logging.getLogger(__name__)
 #: and to client requests). Above vLLM's shm reader spin window (1 s), so the worker reads the
 #: next RPC asleep, not spinning.
 FFN_WAIT_S: Final[float] = 2.0
+#: The same bound when the worker runs in the engine core process (vLLM's ``uni`` executor, the
+#: CPU default for AFD roles): the wait is a direct call, there is no RPC reader to spin, so it
+#: waits in short slices and answers client requests (the API server's startup utility calls,
+#: SIGTERM's wake-up) within one slice. Measured with 2 s: an FFN role became healthy ~3 s
+#: after its engine was ready, and stopped up to 2 s after SIGTERM.
+FFN_INPROCESS_WAIT_S: Final[float] = 0.05
 #: The share of the host's memory the CPU Attention role's KV cache takes when the user did not
 #: size it (``VLLM_CPU_KVCACHE_SPACE``, ``--kv-cache-memory-bytes``, ``--gpu-memory-utilization``).
 CPU_KV_SHARE: Final[float] = 0.25
@@ -286,11 +297,13 @@ def ffn_busy_loop(engine_core: Any) -> None:
     from vllm.v1.engine import EngineCoreRequestType
 
     executor = engine_core.model_executor
-    if hasattr(executor, "response_mqs") and not quiet_rpc_readers(executor):
+    multiprocess = hasattr(executor, "response_mqs")
+    if multiprocess and not quiet_rpc_readers(executor):
         logger.warning("AFD FFN engine: vLLM's RPC readers not found; they keep spinning")
+    wait_s = FFN_WAIT_S if multiprocess else FFN_INPROCESS_WAIT_S
     engine_core.collective_rpc("afd_ffn_start")
     while engine_core.is_running():
-        engine_core.collective_rpc("afd_ffn_wait", args=(FFN_WAIT_S,))
+        engine_core.collective_rpc("afd_ffn_wait", args=(wait_s,))
         while not engine_core.input_queue.empty():
             req_type, req = engine_core.input_queue.get_nowait()
             if req_type == EngineCoreRequestType.ADD:
@@ -468,9 +481,16 @@ def apply_vllm_patches() -> None:
         @functools.wraps(original_loop)
         def run_busy_loop(self: Any) -> None:
             role = _afd_role(self)
-            if role is AFDRole.FFN:
-                ffn_busy_loop(self)
-            return original_loop(self)
+            if role is None:
+                return original_loop(self)
+            try:
+                if role is AFDRole.FFN:
+                    ffn_busy_loop(self)
+                return original_loop(self)
+            except SystemExit as exc:
+                if exc.code in (None, 0):
+                    exit_without_teardown_after(self)
+                raise
 
         setattr(run_busy_loop, _MARK, True)
         EngineCoreProc.run_busy_loop = run_busy_loop
