@@ -54,6 +54,9 @@ pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
 
 #: The issue's bound: SIGTERM to exit (the whole process session gone).
 STOP_BOUND_S = 30.0
+#: The second Attention deployment's ``ffn_loss_grace_s``: its requests held when the FFN
+#: leaves fail after this long instead of vLLM-default-sized waits (AFD's default is 60 s).
+LOSS_GRACE_S = 2.0
 #: How long an engine may take to start here (2 shared cores: 30-90 s, slower under load).
 ENGINE_START_S = 300.0
 #: Short startup timeout of the item-3 deployments ("within the startup timeout").
@@ -264,8 +267,14 @@ def test_sigterm_idle_attention_first_then_serving_ffn_first(
     assert_stopped_cleanly(attention.stop(timeout_s=2 * STOP_BOUND_S), snap)
     assert ffn.healthy()
 
-    # A new Attention deployment on the same FFN (same AFD port, new HTTP port).
-    second = variant(attention, name="idle-attention2", http_port=free_port())
+    # A new Attention deployment on the same FFN (same AFD port, new HTTP port). Its requests
+    # held at the FFN's loss fail after a short grace (the hold itself is the FFN-loss tests').
+    second = variant(
+        attention,
+        name="idle-attention2",
+        http_port=free_port(),
+        afd={"ffn_loss_grace_s": LOSS_GRACE_S},
+    )
     cleanup.append(second)
     second.start()
     wait_until_healthy([second])
@@ -297,7 +306,8 @@ def test_sigterm_idle_attention_first_then_serving_ffn_first(
     assert_stopped_cleanly(f_res, f_snap)
     # The Attention role lost its FFN mid-stream: it stays up (reconnecting, /health 503) and
     # still stops cleanly on SIGTERM.
-    loader.join(60)
+    loader.join(LOSS_GRACE_S + 60)
+    assert not loader.is_alive() and errors, "the requests held at the FFN's loss never failed"
     assert second.poll() is None, second.log_tail(30)
     a_snap = Snapshot(second)
     assert_stopped_cleanly(second.stop(timeout_s=2 * STOP_BOUND_S), a_snap)
@@ -365,16 +375,24 @@ def test_ffn_failing_to_load_fails_the_attention_role_with_its_message(
 
 
 def variant(
-    server: VLLMServer, *, name: str, http_port: int | None = None, port: int | None = None
+    server: VLLMServer,
+    *,
+    name: str,
+    http_port: int | None = None,
+    port: int | None = None,
+    afd: dict[str, Any] | None = None,
 ) -> VLLMServer:
-    """An unstarted copy of ``server`` named ``name`` on another HTTP port and/or AFD port."""
+    """An unstarted copy of ``server`` named ``name`` on another HTTP port and/or AFD port,
+    with the AFD config fields in ``afd`` replaced."""
     argv = list(server.config.argv)
     if http_port is not None:
         argv[argv.index("--port") + 1] = str(http_port)
-    if port is not None:
+    if port is not None or afd:
         i = argv.index("--additional-config") + 1
         cfg = json.loads(argv[i])
-        cfg["afd"]["port"] = port
+        cfg["afd"].update(afd or {})
+        if port is not None:
+            cfg["afd"]["port"] = port
         argv[i] = json.dumps(cfg, sort_keys=True)
     config = dataclasses.replace(
         server.config,
