@@ -58,6 +58,7 @@ def test_the_publication_holds_what_the_rank_serves() -> None:
     assert mine["config"] == AFDConfig(role=AFDRole.FFN).agreement_fields()
     assert mine["config_hash"] == AFDConfig(role=AFDRole.FFN).agreement_hash()
     assert len(mine["topology"]) == 3 and all(isinstance(v, int) for v in mine["topology"])
+    assert mine["ffn_members"] == [0]  # the one FFN slot of a default topology
 
 
 def test_identical_ranks_of_both_roles_agree() -> None:
@@ -100,6 +101,7 @@ def test_a_config_agreement_field_is_named_with_both_values() -> None:
         ("hidden_size", 16),
         ("dtype", "bfloat16"),
         ("topology", [9, 9, 9]),
+        ("ffn_members", [1]),
         ("device_type", "cuda"),
     ],
 )

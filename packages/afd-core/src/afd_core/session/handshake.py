@@ -4,7 +4,9 @@
 Every field must match on every rank of the world; the first difference raises
 :class:`AFDHandshakeError` naming it (the protocol version first, then each config agreement
 field, then the rest, the payload spec field by field, then the model identity), so a mismatch
-fails on both sides. ``model_identity`` (what the served checkpoint is, e.g. its config and
+fails on both sides. ``ffn_members`` (the FFN slots of this round, which decide the FFN ranks'
+world ranks) is compared too: two ranks that read different rounds' members would route to the
+wrong slots. ``model_identity`` (what the served checkpoint is, e.g. its config and
 weight files, see ``afd_runtime.identity``) is compared across every rank of both roles and named
 down to the first differing leaf in sorted key order (``model_identity.config.hidden_act``,
 ``model_identity.weights['model.safetensors'].samples``); a key one side lacks reads as
@@ -137,6 +139,7 @@ def _compare_handshake(mine: Mapping[str, Any], theirs: Mapping[str, Any], peer:
         "hidden_size",
         "dtype",
         "topology",
+        "ffn_members",
         "payload_spec",
         "device_type",
     ):
