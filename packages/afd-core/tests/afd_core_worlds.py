@@ -11,6 +11,7 @@ import math
 import os
 import random
 import signal
+import tempfile
 import threading
 import time
 import traceback
@@ -45,6 +46,28 @@ VARIANTS: dict[str, dict[str, Any]] = {
         "input_ids": True,
     },
 }
+
+
+def _flag(port: int, name: str) -> str:
+    """A file one rank of the world on ``port`` creates and another waits for."""
+    return os.path.join(tempfile.gettempdir(), f"afd-worlds-{port}-{name}")
+
+
+def _raise_flag(port: int, name: str) -> None:
+    with open(_flag(port, name), "w"):
+        pass
+
+
+def _wait_flag(port: int, name: str, bound_s: float) -> bool:
+    """Poll for the flag up to ``bound_s``; True once it is there (then removed)."""
+    path = _flag(port, name)
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        if os.path.exists(path):
+            os.unlink(path)
+            return True
+        time.sleep(0.05)
+    return False
 
 
 def spec_for(variant: str, hidden: int = 16) -> AFDPayloadSpec:
@@ -967,9 +990,10 @@ def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
       timer thread while the client probes for it.
     * ``handshake`` (1 process, Attention rank 0): the store's master waits for the FFN rank's
       handshake; cancelled from a SIGUSR1 handler (what a SIGTERM handler does).
-    * ``ready`` (2 processes): rank 0 sleeps 6 s between ``open_groups`` and ``confirm_ready``
-      (a long bind); rank 1 waits in the ``ready`` barrier and is cancelled after 3 s; rank 0
-      then sees rank 1's published failure.
+    * ``ready`` (2 processes): rank 0 takes long between ``open_groups`` and ``confirm_ready``
+      (a long bind: until rank 1 has been cancelled, at most 20 s); rank 1 waits in the
+      ``ready`` barrier and is cancelled 0.5 s after its ``open_groups``; rank 0 then sees rank
+      1's published failure.
     """
     from afd_core.session.startup import cancel_startup
 
@@ -985,16 +1009,20 @@ def cancel_startup_rank(rank: int, port: int, case: str) -> dict[str, Any]:
         threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGUSR1)).start()
     elif case == "connect":
         threading.Timer(1.0, cancel_startup, ("test cancel",)).start()
-    elif rank == 1:
-        threading.Timer(3.0, cancel_startup, ("test cancel",)).start()
     started = time.monotonic()
+    saw_cancel = None
     try:
         conn.open_groups()
+        if case == "ready" and rank == 1:
+            threading.Timer(0.5, cancel_startup, ("test cancel",)).start()  # in the barrier
         if case == "ready" and rank == 0:
-            time.sleep(6.0)  # a long bind between the two steps
+            saw_cancel = _wait_flag(port, "ready-cancelled", 20.0)  # a long bind
         conn.confirm_ready()
     except AFDError as err:
+        if case == "ready" and rank == 1:
+            _raise_flag(port, "ready-cancelled")
         result = _err(err)
+        result["saw_cancel"] = saw_cancel
         result["stage"] = getattr(err, "stage", None)
         result["reason"] = getattr(err, "reason", None)
         result["elapsed"] = time.monotonic() - started
@@ -1146,7 +1174,11 @@ def survivor_rank(rank: int, port: int) -> dict[str, Any]:
         kept.append(err)
         conn.close()
         if role is AFDRole.ATTENTION:
-            time.sleep(15.0)  # up, holding its failure, while the survivor waits on it
+            # Up, holding its failure, until the survivor has failed (at most 15 s): the
+            # survivor's failure cannot come from this process exiting.
+            result["survivor_failed_first"] = _wait_flag(port, "survivor-failed", 15.0)
+        else:
+            _raise_flag(port, "survivor-failed")
         return result
     conn.close()
     return {"type": None}

@@ -222,7 +222,9 @@ def test_a_survivor_fails_at_once_when_the_attention_rank_closes_after_a_loss() 
     attention, survivor = ok({0: results[0], 2: results[2]}).values()
     assert attention["type"] == "AFDPeerError" and attention["rank"] == 1, attention
     assert survivor["type"] == "AFDPeerError" and survivor["rank"] == 0, survivor
-    assert survivor["elapsed"] < 10.0, survivor  # the Attention rank stays up 15 s
+    assert survivor["elapsed"] < 10.0, survivor
+    # The Attention rank was still up when the survivor failed (it waits for that, <= 15 s).
+    assert attention["survivor_failed_first"] is True, attention
 
 
 def spec() -> AFDPayloadSpec:
@@ -723,7 +725,9 @@ def test_cancel_in_the_ready_barrier_is_published_to_the_peer() -> None:
     results = ok(run_world(worlds.cancel_startup_rank, 2, free_port(), "ready", timeout_s=60))
     assert results[1]["type"] == "AFDCancelledError", results
     assert results[1]["stage"] == "ready"
-    # Rank 0 finishes its 6 s bind, then fails at once naming rank 1's cancellation.
+    # Rank 0 finishes its long bind (until rank 1 was cancelled), then fails at once naming
+    # rank 1's cancellation.
+    assert results[0]["saw_cancel"] is True, results
     assert results[0]["type"] == "AFDStartupError", results
     assert (results[0]["rank"], results[0]["stage"]) == (1, "ready")
     assert "AFDCancelledError" in results[0]["reason"] and "test cancel" in results[0]["reason"]
