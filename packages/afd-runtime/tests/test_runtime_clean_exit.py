@@ -75,20 +75,22 @@ class _Core:
         pass
 
 
+@pytest.mark.parametrize("engine_cls", ["EngineCoreProc", "DPEngineCoreProc"])
 @pytest.mark.parametrize(
     ("additional_config", "armed"),
     [({"afd": {"role": "attention"}}, True), ({}, False)],
     ids=["attention-role", "plain-vllm"],
 )
 def test_the_busy_loop_patch_arms_the_clean_exit_on_afd_roles_only(
-    additional_config: dict[str, Any], armed: bool
+    additional_config: dict[str, Any], armed: bool, engine_cls: str
 ) -> None:
+    """Both engine-core loops (the data-parallel one is its own) arm it on a clean exit."""
     pytest.importorskip("vllm")
     from afd_runtime import patches
-    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine import core as vllm_core
 
     patches.apply_vllm_patches()
     core = _Core(additional_config)
     with pytest.raises(SystemExit):
-        EngineCoreProc.run_busy_loop(core)  # type: ignore[arg-type]
+        getattr(vllm_core, engine_cls).run_busy_loop(core)
     assert getattr(core.shutdown, "_afd_exit_without_teardown", False) is armed

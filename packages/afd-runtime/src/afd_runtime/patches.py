@@ -18,8 +18,8 @@
    of vLLM's 92 %, which leaves no room for the FFN role on the same host), and an FFN role gets an
    explicit zero (it has no KV cache; vLLM's CPU worker would otherwise refuse to start when the
    other role already holds more than 8 % of the memory).
-2. ``EngineCoreProc.run_busy_loop``: for the FFN role, run :func:`ffn_busy_loop` instead of the
-   scheduler loop. It serves only client control requests (utility calls, shutdown) between
+2. ``EngineCoreProc.run_busy_loop`` (and ``DPEngineCoreProc``'s own, the data-parallel engine
+   core's): for the FFN role, run :func:`ffn_busy_loop` instead of the scheduler loop. It serves only client control requests (utility calls, shutdown) between
    bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
    sleeping on the service, not spinning in vLLM's RPC reader; :data:`FFN_INPROCESS_WAIT_S` when
    the worker runs in the engine core process) and raises the service's error
@@ -447,11 +447,32 @@ def engine_failures() -> list[str]:
     return out
 
 
+def busy_loop_patch(original_loop: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Patch 2 around one engine-core class's ``run_busy_loop`` (see the module docstring)."""
+
+    @functools.wraps(original_loop)
+    def run_busy_loop(self: Any) -> None:
+        role = _afd_role(self)
+        if role is None:
+            return original_loop(self)
+        try:
+            if role is AFDRole.FFN:
+                ffn_busy_loop(self)
+            return original_loop(self)
+        except SystemExit as exc:
+            if exc.code in (None, 0):
+                exit_without_teardown_after(self)
+            raise
+
+    setattr(run_busy_loop, _MARK, True)
+    return run_busy_loop
+
+
 def apply_vllm_patches() -> None:
     """Install the patches (idempotent; vLLM 0.32.x only)."""
     check_vllm_version()
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
     from vllm.v1.engine.core_client import MPClient
 
     original_create = EngineArgs.create_engine_config
@@ -475,25 +496,11 @@ def apply_vllm_patches() -> None:
         setattr(create_engine_config, _MARK, True)
         EngineArgs.create_engine_config = create_engine_config
 
-    original_loop = EngineCoreProc.run_busy_loop
-    if not getattr(original_loop, _MARK, False):
-
-        @functools.wraps(original_loop)
-        def run_busy_loop(self: Any) -> None:
-            role = _afd_role(self)
-            if role is None:
-                return original_loop(self)
-            try:
-                if role is AFDRole.FFN:
-                    ffn_busy_loop(self)
-                return original_loop(self)
-            except SystemExit as exc:
-                if exc.code in (None, 0):
-                    exit_without_teardown_after(self)
-                raise
-
-        setattr(run_busy_loop, _MARK, True)
-        EngineCoreProc.run_busy_loop = run_busy_loop
+    # The data-parallel engine core (an Attention role with several DP ranks) has its own loop.
+    for engine_cls in (EngineCoreProc, DPEngineCoreProc):
+        original_loop = engine_cls.__dict__["run_busy_loop"]
+        if not getattr(original_loop, _MARK, False):
+            engine_cls.run_busy_loop = busy_loop_patch(original_loop)
 
     original_client_init = MPClient.__init__
     if not getattr(original_client_init, _MARK, False):
@@ -505,12 +512,13 @@ def apply_vllm_patches() -> None:
 def patches_applied() -> bool:
     """True when every patch is installed."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.engine.core import DPEngineCoreProc, EngineCoreProc
     from vllm.v1.engine.core_client import MPClient
 
     return bool(
         getattr(EngineArgs.create_engine_config, _MARK, False)
         and getattr(EngineCoreProc.run_busy_loop, _MARK, False)
+        and getattr(DPEngineCoreProc.run_busy_loop, _MARK, False)
         and getattr(MPClient.__init__, _MARK, False)
         and ffn_loss_patches_applied()
     )
