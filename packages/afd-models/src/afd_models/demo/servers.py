@@ -508,7 +508,7 @@ def _kill_live_servers() -> None:
 def wait_until_healthy(
     servers: Sequence[VLLMServer],
     *,
-    poll_interval_s: float = 1.0,
+    poll_interval_s: float = 0.25,
     progress_every_s: float = 10.0,
 ) -> None:
     """Wait until every server answers ``/health``; fail fast if any exits or times out.
