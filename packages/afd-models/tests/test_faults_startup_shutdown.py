@@ -55,7 +55,7 @@ pytestmark = [pytest.mark.faults, pytest.mark.vllm_runtime, pytest.mark.slow]
 #: The issue's bound: SIGTERM to exit (the whole process session gone).
 STOP_BOUND_S = 30.0
 #: The second Attention deployment's ``ffn_loss_grace_s``: its requests held when the FFN
-#: leaves fail after this long instead of vLLM-default-sized waits (AFD's default is 60 s).
+#: leaves fail after this long instead of AFD's default 60 s.
 LOSS_GRACE_S = 2.0
 #: How long an engine may take to start here (2 shared cores: 30-90 s, slower under load).
 ENGINE_START_S = 300.0
@@ -387,12 +387,11 @@ def variant(
     argv = list(server.config.argv)
     if http_port is not None:
         argv[argv.index("--port") + 1] = str(http_port)
-    if port is not None or afd:
+    fields = {**(afd or {}), **({} if port is None else {"port": port})}
+    if fields:
         i = argv.index("--additional-config") + 1
         cfg = json.loads(argv[i])
-        cfg["afd"].update(afd or {})
-        if port is not None:
-            cfg["afd"]["port"] = port
+        cfg["afd"].update(fields)
         argv[i] = json.dumps(cfg, sort_keys=True)
     config = dataclasses.replace(
         server.config,

@@ -28,9 +28,7 @@ _armed = False
 
 def _exit_now() -> None:
     atexit.unregister(_exit_now)
-    run_others = getattr(atexit, "_run_exitfuncs", None)
-    if run_others is not None:
-        run_others()
+    atexit._run_exitfuncs()  # the others, last-in first-out, as the interpreter would
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -46,7 +44,7 @@ def skip_teardown_at_exit() -> None:
     calls the others itself before ``os._exit(0)``; call it only once the process is certain
     to exit with status 0."""
     global _armed
-    if not _armed:
+    if not _armed and hasattr(atexit, "_run_exitfuncs"):  # CPython; elsewhere: full teardown
         atexit.register(_exit_now)
         _armed = True
 

@@ -19,8 +19,8 @@
    explicit zero (it has no KV cache; vLLM's CPU worker would otherwise refuse to start when the
    other role already holds more than 8 % of the memory).
 2. ``EngineCoreProc.run_busy_loop`` (and ``DPEngineCoreProc``'s own, the data-parallel engine
-   core's): for the FFN role, run :func:`ffn_busy_loop` instead of the scheduler loop. It serves only client control requests (utility calls, shutdown) between
-   bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
+   core's): for the FFN role, run :func:`ffn_busy_loop` instead of the scheduler loop. It serves
+   only client control requests (utility calls, shutdown) between bounded waits on the workers' service loop (:data:`FFN_WAIT_S` each, the worker's main thread
    sleeping on the service, not spinning in vLLM's RPC reader; :data:`FFN_INPROCESS_WAIT_S` when
    the worker runs in the engine core process) and raises the service's error
    (the engine then reports itself dead and the process exits non-zero); on SIGTERM it stops the
